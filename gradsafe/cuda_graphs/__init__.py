@@ -1,0 +1,1 @@
+"""Owning-clone make_graphed_callables (not implemented yet)."""

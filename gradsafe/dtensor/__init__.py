@@ -1,0 +1,1 @@
+"""DTensor-aware layout contract for autograd gradients (not implemented yet)."""

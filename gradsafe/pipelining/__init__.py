@@ -1,0 +1,1 @@
+"""Corrected split backward for pipeline schedules (not implemented yet)."""

@@ -1,0 +1,1 @@
+"""Test utilities for users' own tests (CUDA-graph emulation: not implemented yet)."""

@@ -1,0 +1,1 @@
+"""One wgrad-return policy for fused and delayed weight gradients (not implemented yet)."""
