@@ -236,8 +236,8 @@ def compare(run: Run, ref: Run, *, hook_sees_grad: bool = True) -> list[str]:
     """
     problems: list[str] = []
     names = ("w1", "w2 (tied)", "scale")
-    for name, got, want, calls, ref_calls in zip(
-        names, run.main_grads, ref.main_grads, run.calls, ref.calls
+    for index, (name, got, want, calls, ref_calls) in enumerate(
+        zip(names, run.main_grads, ref.main_grads, run.calls, ref.calls)
     ):
         if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
             problems.append(f"{name}: main_grad wrong")
@@ -250,8 +250,8 @@ def compare(run: Run, ref: Run, *, hook_sees_grad: bool = True) -> list[str]:
             problems.append(f"{name}: a hook fired before its gradient was complete")
         if any(c.thread != run.driver_thread for c in calls):
             problems.append(f"{name}: hook ran on another thread")
-        if name != "scale" and any(c.grad_was_none == hook_sees_grad for c in calls):
-            problems.append(f"{name}: hook saw .grad {'None' if hook_sees_grad else 'not None'}")
-        elif any(c.grad_was_none for c in calls) and name == "scale":
-            problems.append(f"{name}: hook saw .grad None")
+        # ``scale`` is a plain autograd parameter: its hook always sees a gradient.
+        expect_grad = hook_sees_grad or name == "scale"
+        if any(c.grad_was_none == expect_grad for c in calls):
+            problems.append(f"{name}: hook saw .grad {'None' if expect_grad else 'not None'}")
     return problems
