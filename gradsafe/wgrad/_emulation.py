@@ -82,7 +82,14 @@ class HookCall:
 class EmulatedDDP:
     """Megatron-style ``main_grad`` buffers and grad-ready hooks over ``params``."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], store: DelayedStore | None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        store: DelayedStore | None,
+        *,
+        honour_marks: bool = True,
+    ) -> None:
+        """``honour_marks=False`` hooks AccumulateGrad even for delayed parameters (a mistake)."""
         self.params = tuple(params)
         self.calls: dict[int, list[HookCall]] = {id(p): [] for p in self.params}
         self._handles: list[object] = []
@@ -91,7 +98,7 @@ class EmulatedDDP:
             # fp32 for low-precision parameters, as Megatron; the fp64 model here stays fp64.
             dtype = torch.promote_types(p.dtype, torch.float32)
             p.main_grad = torch.zeros_like(p, dtype=dtype)  # type: ignore[attr-defined]
-            if grad_lifetime_is_managed(p):
+            if honour_marks and grad_lifetime_is_managed(p):
                 if store is None:
                     raise ValueError("a delayed-wgrad parameter needs the store to hook")
                 self._handles.append(store.register_grad_ready_hook(p, self._hook_for(p)))
@@ -191,6 +198,7 @@ def run_config(
     microbatches: int = 4,
     policy: ReturnPolicy = wgrad_return,
     store_factory: Callable[[], DelayedStore] | None = None,
+    ddp_honours_marks: bool = True,
 ) -> Run:
     """The same model with its two weights through :func:`fused_linear` in ``config``."""
     if store_factory is None:
@@ -205,7 +213,7 @@ def run_config(
             w.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         if config.delayed:
             mark_delayed_wgrad(w)
-    ddp = EmulatedDDP(params, store)
+    ddp = EmulatedDDP(params, store, honour_marks=ddp_honours_marks)
     ddp.zero_grad()
 
     def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
