@@ -99,3 +99,19 @@ def test_shared_buffer_as_grad_leaks_into_other_params() -> None:
     store.seal().run()
     (p * 3.0).sum().backward()
     assert bool((q.grad == 0.0).all())
+
+
+def test_running_accumulategrad_again_at_w_fires_its_hooks_twice() -> None:
+    """Why W fires store-registered hooks instead of re-running AccumulateGrad (GradientEdge)."""
+    from torch.autograd.graph import get_gradient_edge
+
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    node = w.expand_as(w).grad_fn.next_functions[0][0]
+    saw_grad: list[bool] = []
+    node.register_hook(lambda _gi, _go: saw_grad.append(w.grad is not None))
+    x = torch.randn(4, 2)
+    fused_linear(x, w, wgrad_store=store).sum().backward()  # B: slot returns None
+    store.seal()  # (W's closures are not needed for this demonstration)
+    torch.autograd.backward([get_gradient_edge(w)], [torch.ones(4, 3).t() @ x])
+    assert saw_grad == [False, True]  # once in B without a gradient, once more at W
