@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from gradsafe.wgrad._store import GradReadyHook
-from gradsafe.wgrad.example import ReturnPolicy, WgradRecorder, fused_linear
 from gradsafe.wgrad._policy import wgrad_return
+from gradsafe.wgrad._store import GradReadyHook, WeightGradStore
+from gradsafe.wgrad.example import ReturnPolicy, WgradRecorder, fused_linear
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 
 __all__ = ["CONFIGS", "Config", "DelayedStore", "EmulatedDDP", "Run", "reference", "run_config"]
@@ -202,8 +202,6 @@ def run_config(
 ) -> Run:
     """The same model with its two weights through :func:`fused_linear` in ``config``."""
     if store_factory is None:
-        from gradsafe.wgrad._store import WeightGradStore
-
         store_factory = WeightGradStore
     params = _model_params()
     weights = params[:2]

@@ -24,10 +24,10 @@ _shared_zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _zero_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (dtype, device)
-    zero = _shared_zeros.get(key)
+    zero = _shared_zeros.get((dtype, device))
     if zero is None:
-        zero = _shared_zeros[key] = torch.zeros((), dtype=dtype, device=device)
+        # setdefault: two autograd threads racing here agree on one element.
+        zero = _shared_zeros.setdefault((dtype, device), torch.zeros((), dtype=dtype, device=device))
     return zero
 
 
