@@ -21,7 +21,7 @@ from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["CHECKS"]
 
-_te_dummies: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_te_dummies: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _te_policy(
@@ -39,9 +39,9 @@ def _te_policy(
     if not hasattr(param, "grad_added_to_main_grad"):
         return None
     param.grad_added_to_main_grad = True
-    key = (tuple(param.shape), param.dtype)
-    if key not in _te_dummies:  # one full-size zero buffer per shape and dtype
-        _te_dummies[key] = torch.zeros(param.shape, dtype=param.dtype)
+    key = (tuple(param.shape), param.dtype, param.device)
+    if key not in _te_dummies:  # one full-size zero buffer per shape, dtype and device
+        _te_dummies[key] = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
     return _te_dummies[key]
 
 

@@ -58,6 +58,7 @@ class _State(enum.Enum):
     SEALED = "sealed"
     RUNNING = "running"
     DONE = "done"
+    FAILED = "failed part-way (its gradients are partly applied: zero them and redo the step)"
 
 
 class PendingWeightGrads:
@@ -94,6 +95,15 @@ class PendingWeightGrads:
                 "runs exactly once (call store.seal() after the next B for a new one)"
             )
         self._state = _State.RUNNING
+        try:
+            self._deliver()
+        except BaseException:
+            self._state = _State.FAILED
+            raise
+        self._uses = ()
+        self._state = _State.DONE
+
+    def _deliver(self) -> None:
         by_param: dict[int, list[_Use]] = {}
         for use in self._uses:
             by_param.setdefault(id(use.param), []).append(use)
@@ -111,8 +121,6 @@ class PendingWeightGrads:
                         param.grad = torch.zeros_like(param)
                     for hook in tuple(hooks.values()):
                         hook(param)
-        self._uses = ()
-        self._state = _State.DONE
 
 
 def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:

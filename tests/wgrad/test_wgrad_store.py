@@ -34,7 +34,7 @@ def test_six_configurations_match_plain_autograd(config: Config, ref) -> None:  
     assert compare(run, ref, hook_sees_grad=config.hook_sees_grad) == []
 
 
-def test_w_on_another_thread_fires_hooks_there(ref) -> None:  # type: ignore[no-untyped-def]
+def test_w_on_another_thread_fires_hooks_there() -> None:
     """W may run on a side thread: the hooks run on the thread that ran W."""
     store = WeightGradStore()
     w = torch.nn.Parameter(torch.randn(3, 2))
@@ -111,8 +111,11 @@ def test_lifecycle_errors_name_the_cause() -> None:
     with pytest.raises(RuntimeError, match="return None"):
         store.seal().run()
     store.record(w, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
+    failed = store.seal()
     with pytest.raises(RuntimeError, match=r"of shape \(2, 2\)"):
-        store.seal().run()
+        failed.run()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        failed.run()
 
 
 def test_fused_without_main_grad_names_the_fix() -> None:
