@@ -202,7 +202,7 @@ class WeightGradStore:
         return PendingWeightGrads(uses, self._hooks)
 
     def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:
-        """Call ``hook(param)`` at each W, once ``param``'s gradient for that microbatch is complete.
+        """Call ``hook(param)`` in each W pass that computes ``param``'s gradient, once it is complete.
 
         Marks ``param`` as delayed. Only W fires these hooks: a parameter used
         without delay in some microbatch needs an AccumulateGrad hook for that
