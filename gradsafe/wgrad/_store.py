@@ -1,0 +1,217 @@
+"""Delayed weight gradients: B records one closure per weight use, W runs them.
+
+Lifecycle (one :class:`PendingWeightGrads` per microbatch)::
+
+    store = WeightGradStore()
+    loss.backward()            # B: fused kernels call store.record(...)
+    pending = store.seal()     # B's records, frozen; the store records the next B
+    ...                        # more B passes, other work
+    pending.run()              # W: gradients computed, accumulated, hooks fired
+
+Parameters whose weight gradient comes from W are marked with
+:func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`. Their AccumulateGrad node
+sees only None during B (the weight slot returns None), so whoever needs to
+know that a delayed parameter's gradient is ready registers with
+:meth:`WeightGradStore.register_grad_ready_hook` instead of hooking
+AccumulateGrad — the convention Megatron-core follows for parameters marked
+``skip_backward_post_hook``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeAlias
+
+import torch
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradsafe.wgrad.markers import mark_delayed_wgrad
+
+__all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WgradClosure"]
+
+WgradClosure: TypeAlias = Callable[[torch.Tensor | None], torch.Tensor | None]
+"""One use's weight-gradient computation, run at W time.
+
+Called with ``param.main_grad`` when the use was recorded with
+``accumulate_into_main_grad=True``: it must add its gradient into that tensor
+(e.g. a GEMM with ``beta=1``) and return None. Called with None otherwise: it
+returns this use's weight gradient as a fresh tensor the store may keep.
+"""
+
+GradReadyHook: TypeAlias = Callable[[torch.Tensor], None]
+"""Called with the parameter once its gradient for the microbatch is complete."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Use:
+    param: torch.Tensor
+    compute: WgradClosure
+    accumulate_into_main_grad: bool
+
+
+class _State(enum.Enum):
+    SEALED = "sealed"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed part-way (its gradients are partly applied: zero them and redo the step)"
+
+
+class PendingWeightGrads:
+    """One B pass's recorded weight-gradient work; :meth:`run` it exactly once (the W pass)."""
+
+    def __init__(self, uses: tuple[_Use, ...], hooks: WeakIdKeyDictionary) -> None:
+        self._uses = uses
+        self._hooks = hooks
+        self._state = _State.SEALED
+
+    def __len__(self) -> int:
+        """Number of recorded weight uses."""
+        return len(self._uses)
+
+    @property
+    def done(self) -> bool:
+        return self._state is _State.DONE
+
+    def run(self) -> None:
+        """Compute every recorded weight gradient and deliver it, parameter by parameter.
+
+        For each parameter, in the order B first recorded it: run all its
+        uses (a tied weight's uses are all complete before anything else
+        happens to it), then accumulate — never overwrite — into
+        ``main_grad`` (uses recorded as fused) or ``.grad``, set
+        ``grad_added_to_main_grad`` where it exists and the gradient went into
+        ``main_grad``, and fire the parameter's grad-ready hooks once each, on
+        this thread, with ``.grad`` not None (a fresh zero ``.grad`` is set if
+        none exists, so hooks that assert it, as Megatron's does, hold).
+        """
+        if self._state is not _State.SEALED:
+            raise RuntimeError(
+                f"PendingWeightGrads.run: this W pass is {self._state.value}; each sealed B pass "
+                "runs exactly once (call store.seal() after the next B for a new one)"
+            )
+        self._state = _State.RUNNING
+        try:
+            self._deliver()
+        except BaseException:
+            self._state = _State.FAILED
+            raise
+        self._uses = ()
+        self._state = _State.DONE
+
+    def _deliver(self) -> None:
+        by_param: dict[int, list[_Use]] = {}
+        for use in self._uses:
+            by_param.setdefault(id(use.param), []).append(use)
+        with torch.no_grad():
+            for uses in by_param.values():
+                param = uses[0].param
+                if uses[0].accumulate_into_main_grad:
+                    _accumulate_into_main_grad(param, uses)
+                else:
+                    _accumulate_into_grad(param, uses)
+                hooks = self._hooks.get(param)
+                if hooks:
+                    if param.grad is None:
+                        # Fresh, not shared: a hook that keeps .grad may add into it.
+                        param.grad = torch.zeros_like(param)
+                    for hook in tuple(hooks.values()):
+                        hook(param)
+
+
+def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            "weight gradient recorded with accumulate_into_main_grad=True, but the parameter has "
+            "no main_grad at W time; allocate param.main_grad before W or record without fusion"
+        )
+    for use in uses:
+        if use.compute(main_grad) is not None:
+            raise RuntimeError(
+                "a fused WgradClosure returned a tensor; when called with main_grad it must add "
+                "its gradient into main_grad and return None"
+            )
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
+
+
+def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
+    total: torch.Tensor | None = None
+    for use in uses:
+        wgrad = use.compute(None)
+        if wgrad is None or wgrad.shape != param.shape:
+            got = None if wgrad is None else tuple(wgrad.shape)
+            raise RuntimeError(
+                f"an unfused WgradClosure must return the weight gradient of shape "
+                f"{tuple(param.shape)}, got {got}"
+            )
+        total = wgrad if total is None else total.add_(wgrad)
+    assert total is not None
+    if param.grad is None:
+        # AccumulateGrad's layout contract: .grad has the parameter's strides.
+        if total.stride() != param.stride() or total.dtype != param.dtype:
+            total = torch.empty_like(param).copy_(total)
+        param.grad = total
+    else:
+        param.grad.add_(total)
+
+
+class WeightGradStore:
+    """Records delayed weight-gradient work during B and hands it to W, one microbatch at a time.
+
+    Also owns the grad-ready hooks of delayed parameters. Thread-safe for
+    recording from autograd's worker threads.
+    """
+
+    def __init__(self) -> None:
+        self._open: list[_Use] = []
+        self._lock = threading.Lock()
+        self._hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def record(
+        self, param: torch.Tensor, compute: WgradClosure, *, accumulate_into_main_grad: bool
+    ) -> None:
+        """Record one use of ``param`` whose weight gradient ``compute`` produces at W time.
+
+        Call from a custom ``backward`` (B) that returned None in ``param``'s
+        slot (see :func:`~gradsafe.wgrad.wgrad_return`). Marks ``param`` as
+        delayed; mark it earlier (:func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`)
+        if a data-parallel wrapper decides at construction which parameters to
+        hook.
+        """
+        mark_delayed_wgrad(param)
+        with self._lock:
+            for use in self._open:
+                if use.param is param and use.accumulate_into_main_grad != accumulate_into_main_grad:
+                    raise ValueError(
+                        "WeightGradStore.record: the same parameter was recorded both with and "
+                        "without accumulate_into_main_grad in one B pass; use one setting per "
+                        "parameter"
+                    )
+            self._open.append(_Use(param, compute, accumulate_into_main_grad))
+
+    def seal(self) -> PendingWeightGrads:
+        """Freeze what was recorded since the last ``seal()`` into one W pass."""
+        with self._lock:
+            uses, self._open = tuple(self._open), []
+        return PendingWeightGrads(uses, self._hooks)
+
+    def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:
+        """Call ``hook(param)`` in each W pass that computes ``param``'s gradient, once it is complete.
+
+        Marks ``param`` as delayed. Only W fires these hooks: a parameter used
+        without delay in some microbatch needs an AccumulateGrad hook for that
+        one instead.
+        """
+        mark_delayed_wgrad(param)
+        hooks = self._hooks.get(param)
+        if hooks is None:
+            hooks = self._hooks[param] = OrderedDict()  # weakref-able, as RemovableHandle needs
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle

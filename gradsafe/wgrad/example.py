@@ -1,0 +1,162 @@
+"""An example fused Linear (no bias) built on :func:`~gradsafe.wgrad.wgrad_return`.
+
+Its backward computes the input gradient and then, for the weight, one of:
+
+* returns the weight gradient (plain),
+* adds it straight into ``weight.main_grad`` (``accumulate_into_main_grad``),
+* records a closure in a :class:`~gradsafe.wgrad.WeightGradStore` for the W
+  pass (``wgrad_store``), fused into ``main_grad`` or not,
+
+and fills the weight slot by the one table. It is the reference the tests and
+``gradsafe doctor`` drive through all six configurations; a real kernel
+library replaces the matmuls with its GEMMs and keeps the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+from gradsafe.wgrad._policy import wgrad_return
+from gradsafe.wgrad._store import WgradClosure
+from gradsafe.wgrad.markers import mark_delayed_wgrad
+
+__all__ = ["FusedLinear", "ReturnPolicy", "WgradRecorder", "fused_linear"]
+
+
+class WgradRecorder(Protocol):
+    """Where B records delayed weight-gradient work (a :class:`~gradsafe.wgrad.WeightGradStore`)."""
+
+    def record(
+        self, param: torch.Tensor, compute: WgradClosure, *, accumulate_into_main_grad: bool
+    ) -> None: ...
+
+
+class ReturnPolicy(Protocol):
+    """The signature of :func:`~gradsafe.wgrad.wgrad_return`."""
+
+    def __call__(
+        self,
+        param: torch.Tensor,
+        wgrad: torch.Tensor | None,
+        *,
+        accumulated_into_main_grad: bool,
+        delayed: bool,
+    ) -> torch.Tensor | None: ...
+
+
+def _main_grad(weight: torch.Tensor) -> torch.Tensor:
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            "fused_linear(accumulate_into_main_grad=True): the weight has no main_grad; "
+            "allocate weight.main_grad (e.g. torch.zeros_like(weight, dtype=torch.float32)) "
+            "before backward"
+        )
+    return main_grad
+
+
+class _FusedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        accumulate_into_main_grad: bool,
+        store: WgradRecorder | None,
+        policy: ReturnPolicy,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        # The parameter object itself (not an unpacked saved tensor): the store and
+        # hooks key on its identity.
+        ctx.weight = weight
+        ctx.fuse = accumulate_into_main_grad
+        ctx.store = store
+        ctx.policy = policy
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        weight: torch.Tensor = ctx.weight
+        dgrad = grad_out @ weight if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dgrad, None, None, None, None
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+
+        def compute(main_grad: torch.Tensor | None) -> torch.Tensor | None:
+            if main_grad is None:
+                return g2.t() @ x2
+            # The fused GEMM: accumulate in main_grad's precision, no wgrad tensor.
+            main_grad.addmm_(g2.t().to(main_grad.dtype), x2.to(main_grad.dtype))
+            return None
+
+        wgrad = None
+        if ctx.store is not None:
+            ctx.store.record(weight, compute, accumulate_into_main_grad=ctx.fuse)
+        elif ctx.fuse:
+            compute(_main_grad(weight))
+        else:
+            wgrad = compute(None)
+        returned = ctx.policy(
+            weight, wgrad, accumulated_into_main_grad=ctx.fuse, delayed=ctx.store is not None
+        )
+        return dgrad, returned, None, None, None
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    accumulate_into_main_grad: bool = False,
+    wgrad_store: WgradRecorder | None = None,
+    policy: ReturnPolicy = wgrad_return,
+) -> torch.Tensor:
+    """``x @ weight.T`` whose weight gradient is returned, fused into ``main_grad`` or delayed.
+
+    Args:
+        accumulate_into_main_grad: add the weight gradient into
+            ``weight.main_grad`` (fp32 or the weight's dtype) instead of
+            returning it.
+        wgrad_store: compute the weight gradient at W time instead; B records
+            it here (with ``accumulate_into_main_grad`` deciding where W puts it).
+        policy: what to return in the weight slot; :func:`wgrad_return` unless
+            you are reproducing another library's choice.
+    """
+    return _FusedLinearFunction.apply(x, weight, accumulate_into_main_grad, wgrad_store, policy)
+
+
+class FusedLinear(torch.nn.Module):
+    """A bias-free Linear on :func:`fused_linear`. Share ``weight`` to tie it across modules."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        accumulate_into_main_grad: bool = False,
+        wgrad_store: WgradRecorder | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.wgrad_store = wgrad_store
+        if wgrad_store is not None:
+            # Before any data-parallel wrapper decides which parameters to hook.
+            mark_delayed_wgrad(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_linear(
+            x,
+            self.weight,
+            accumulate_into_main_grad=self.accumulate_into_main_grad,
+            wgrad_store=self.wgrad_store,
+        )

@@ -1,0 +1,217 @@
+"""End to end: six configurations under Megatron-style DDP, and the store's lifecycle."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradsafe.wgrad import (
+    FusedLinear,
+    WeightGradStore,
+    fused_linear,
+    grad_lifetime_is_managed,
+    mark_delayed_wgrad,
+)
+from gradsafe.wgrad._emulation import CONFIGS, Config, compare, reference, run_config
+
+
+@pytest.fixture(scope="module")
+def ref():  # type: ignore[no-untyped-def]
+    return reference(microbatches=4)
+
+
+def test_reference_is_not_trivial(ref) -> None:  # type: ignore[no-untyped-def]
+    # Four microbatches: each hook fires four times, main_grad is nonzero.
+    assert [len(calls) for calls in ref.calls] == [4, 4, 4]
+    assert all(g.abs().sum() > 0 for g in ref.main_grads)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_six_configurations_match_plain_autograd(config: Config, ref) -> None:  # type: ignore[no-untyped-def]
+    run = run_config(config, microbatches=4)
+    assert compare(run, ref, hook_sees_grad=config.hook_sees_grad) == []
+
+
+def test_w_on_another_thread_fires_hooks_there() -> None:
+    """W may run on a side thread: the hooks run on the thread that ran W."""
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    w.main_grad = torch.zeros_like(w)
+    threads: list[int] = []
+    store.register_grad_ready_hook(w, lambda p: threads.append(threading.get_ident()))
+    fused_linear(torch.randn(4, 2), w, accumulate_into_main_grad=True, wgrad_store=store).sum().backward()
+    pending = store.seal()
+    worker = threading.Thread(target=pending.run)
+    worker.start()
+    worker.join(timeout=60)
+    assert threads == [worker.ident]
+
+
+def test_w_accumulates_into_existing_grad_never_overwrites() -> None:
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    x = torch.randn(4, 2)
+    w.grad = torch.full_like(w, 5.0)
+    fused_linear(x, w, wgrad_store=store).sum().backward()
+    assert bool((w.grad == 5.0).all())  # B leaves .grad alone
+    store.seal().run()
+    expected = torch.ones(4, 3).t() @ x
+    torch.testing.assert_close(w.grad, expected + 5.0)
+
+
+def test_tied_weight_hook_fires_once_after_both_uses() -> None:
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    seen: list[torch.Tensor] = []
+    store.register_grad_ready_hook(w, lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(2, 3)
+    fused_linear(fused_linear(x, w, wgrad_store=store), w, wgrad_store=store).sum().backward()
+    pending = store.seal()
+    assert len(pending) == 2 and seen == []  # nothing fires during B
+    pending.run()
+    w_ref = w.detach().clone().requires_grad_()
+    ((x @ w_ref.t()) @ w_ref.t()).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], w_ref.grad)
+
+
+def test_removed_hook_does_not_fire() -> None:
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(2, 2))
+    calls: list[int] = []
+    handle = store.register_grad_ready_hook(w, lambda p: calls.append(1))
+    handle.remove()
+    fused_linear(torch.randn(1, 2), w, wgrad_store=store).sum().backward()
+    store.seal().run()
+    assert calls == []
+
+
+def test_lifecycle_errors_name_the_cause() -> None:
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(2, 2))
+    fused_linear(torch.randn(1, 2), w, wgrad_store=store).sum().backward()
+    pending = store.seal()
+    assert not pending.done
+    pending.run()
+    assert pending.done
+    with pytest.raises(RuntimeError, match="runs exactly once"):
+        pending.run()
+    assert len(store.seal()) == 0  # the store was emptied by seal(), not by run()
+
+    store.record(w, lambda mg: None, accumulate_into_main_grad=True)
+    with pytest.raises(ValueError, match="one setting per parameter"):
+        store.record(w, lambda mg: None, accumulate_into_main_grad=False)
+    with pytest.raises(RuntimeError, match="no main_grad at W time"):
+        store.seal().run()
+
+    w.main_grad = torch.zeros(2, 2)
+    store.record(w, lambda mg: torch.ones(2, 2), accumulate_into_main_grad=True)
+    with pytest.raises(RuntimeError, match="return None"):
+        store.seal().run()
+    store.record(w, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
+    failed = store.seal()
+    with pytest.raises(RuntimeError, match=r"of shape \(2, 2\)"):
+        failed.run()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        failed.run()
+
+
+def test_fused_without_main_grad_names_the_fix() -> None:
+    w = torch.nn.Parameter(torch.randn(2, 2))
+    out = fused_linear(torch.randn(1, 2), w, accumulate_into_main_grad=True)
+    with pytest.raises(RuntimeError, match="allocate weight.main_grad"):
+        out.sum().backward()
+
+
+def test_markers() -> None:
+    store = WeightGradStore()
+    assert grad_lifetime_is_managed(FusedLinear(2, 2, wgrad_store=store).weight)
+    assert not grad_lifetime_is_managed(FusedLinear(2, 2).weight)
+    te_param = torch.nn.Parameter(torch.randn(2))
+    te_param.skip_backward_post_hook = True  # TransformerEngine's marker
+    assert grad_lifetime_is_managed(te_param)
+    p = torch.nn.Parameter(torch.randn(2))
+    mark_delayed_wgrad(p)
+    assert grad_lifetime_is_managed(p)
+    q = torch.nn.Parameter(torch.randn(2, 2))
+    store.record(q, lambda mg: torch.zeros(2, 2), accumulate_into_main_grad=False)
+    assert grad_lifetime_is_managed(q)
+
+
+def test_fused_linear_module_matches_nn_linear() -> None:
+    torch.manual_seed(0)
+    lin = FusedLinear(3, 4, dtype=torch.float64)
+    ref = torch.nn.Linear(3, 4, bias=False, dtype=torch.float64)
+    ref.weight.data.copy_(lin.weight.data)
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    lin(x).pow(2).sum().backward()
+    ref(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+
+
+def _sgd_step_in_backward(params, lr: float):  # type: ignore[no-untyped-def]
+    optimizers = {p: torch.optim.SGD([p], lr=lr) for p in params}
+
+    def step(p: torch.Tensor) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    return step
+
+
+def _tied_model(store: WeightGradStore | None):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    first = FusedLinear(3, 4, wgrad_store=store, dtype=torch.float64)
+    tied = FusedLinear(4, 4, wgrad_store=store, dtype=torch.float64)
+    return first, tied, (first.weight, tied.weight)
+
+
+def _forward(first, tied, x):  # type: ignore[no-untyped-def]
+    return tied(torch.tanh(tied(torch.tanh(first(x))))).pow(2).sum()
+
+
+def _optimizer_in_backward(delayed: bool, use_post_accumulate_hook: bool) -> tuple[torch.Tensor, ...]:
+    store = WeightGradStore() if delayed else None
+    first, tied, params = _tied_model(store)
+    step = _sgd_step_in_backward(params, lr=0.1)
+    for p in params:
+        if use_post_accumulate_hook:
+            p.register_post_accumulate_grad_hook(step)
+        else:
+            assert store is not None
+            store.register_grad_ready_hook(p, step)
+    torch.manual_seed(1)
+    for _ in range(4):
+        _forward(first, tied, torch.randn(2, 3, dtype=torch.float64)).backward()
+        if store is not None:
+            store.seal().run()
+    return tuple(p.detach().clone() for p in params)
+
+
+def _optimizer_after_backward() -> tuple[torch.Tensor, ...]:
+    first, tied, params = _tied_model(None)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    torch.manual_seed(1)
+    for _ in range(4):
+        _forward(first, tied, torch.randn(2, 3, dtype=torch.float64)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return tuple(p.detach().clone() for p in params)
+
+
+def test_optimizer_in_backward_post_accumulate_grad_hook() -> None:
+    """Undelayed: torch's post-accumulate-grad hook steps each weight once, tied included."""
+    expected = _optimizer_after_backward()
+    for got, want in zip(_optimizer_in_backward(False, True), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_optimizer_in_backward_delayed_uses_the_store_hook() -> None:
+    """Delayed: the same optimizer step registered with the store runs at W."""
+    expected = _optimizer_after_backward()
+    for got, want in zip(_optimizer_in_backward(True, False), expected):
+        torch.testing.assert_close(got, want)
