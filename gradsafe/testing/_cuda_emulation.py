@@ -9,9 +9,11 @@ program order; synchronisation is therefore trivially satisfied.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import threading
 import time
+import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -267,7 +269,7 @@ class _Installed:
     """The originals put aside by the outermost active ``emulate_cuda_graphs``."""
 
     depth: int = 0
-    originals: list[tuple[object, str, object]] = dataclasses.field(default_factory=list)
+    originals: list[tuple[types.ModuleType, str, object]] = dataclasses.field(default_factory=list)
 
 
 _LOCK = threading.Lock()
@@ -275,21 +277,24 @@ _INSTALLED = _Installed()
 
 
 def _install() -> None:
-    import importlib
-
-    for module_name, attr, stand_in in _SLOTS:
-        module = importlib.import_module(module_name)
-        _INSTALLED.originals.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, stand_in)
+    try:
+        for module_name, attr, stand_in in _SLOTS:
+            module = importlib.import_module(module_name)
+            _INSTALLED.originals.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, stand_in)
+    except BaseException:
+        _restore()
+        raise
 
 
 def _restore() -> None:
+    stand_ins = {(m, a): s for m, a, s in _SLOTS}
     for module, attr, original in reversed(_INSTALLED.originals):
-        stand_in = dict(((m, a), s) for m, a, s in _SLOTS)[(module.__name__, attr)]
-        if getattr(module, attr) is not stand_in:
+        name = getattr(module, "__name__", "?")
+        if getattr(module, attr) is not stand_ins[(name, attr)]:
             warnings.warn(
-                f"emulate_cuda_graphs: {module.__name__}.{attr} was replaced while the emulation "
-                f"was active; restoring torch's original over it",
+                f"emulate_cuda_graphs: {name}.{attr} was replaced while the emulation was "
+                "active; restoring torch's original over it",
                 RuntimeWarning,
                 stacklevel=4,
             )
