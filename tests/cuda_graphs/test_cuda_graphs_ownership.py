@@ -553,3 +553,17 @@ def test_no_availability_gate() -> None:
         x = torch.ones(2, device=device, requires_grad=True)
         graphed(x).sum().backward()
         assert x.grad.tolist() == [2.0, 2.0]
+
+
+def test_retain_grad_on_chained_link_is_owned(env: Env) -> None:
+    # retain_grad copies on its own, so "auto" need not copy the chained slot.
+    a, b = mlp(env), mlp(env)
+    ga, gb = make_graphed_callables(
+        (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
+    )
+    h1 = ga(env.randn(3, 8))
+    h1.retain_grad()
+    gb(h1).sum().backward()
+    first = h1.grad.clone()
+    gb(ga(env.randn(3, 8))).pow(2).sum().backward()
+    torch.testing.assert_close(h1.grad, first)
