@@ -215,6 +215,8 @@ class EmulatedCUDAGraph:
 class emulated_graph:  # noqa: N801 -- mirrors torch.cuda.graph, a class used as a context manager
     """Stand-in for :class:`torch.cuda.graph` (the capture context manager)."""
 
+    default_capture_stream: EmulatedStream | None = None
+
     def __init__(
         self,
         cuda_graph: EmulatedCUDAGraph,
@@ -226,7 +228,10 @@ class emulated_graph:  # noqa: N801 -- mirrors torch.cuda.graph, a class used as
         self.cuda_graph = cuda_graph
         self.pool = pool
         self.capture_error_mode = capture_error_mode
-        self._stream_ctx = _StreamContext(stream if stream is not None else EmulatedStream())
+        if stream is None and emulated_graph.default_capture_stream is None:
+            emulated_graph.default_capture_stream = EmulatedStream()
+        self.capture_stream = stream if stream is not None else emulated_graph.default_capture_stream
+        self._stream_ctx = _StreamContext(self.capture_stream)
 
     def __enter__(self) -> None:
         self._stream_ctx.__enter__()

@@ -567,3 +567,32 @@ def test_retain_grad_on_chained_link_is_owned(env: Env) -> None:
     first = h1.grad.clone()
     gb(ga(env.randn(3, 8))).pow(2).sum().backward()
     torch.testing.assert_close(h1.grad, first)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_param_shared_by_two_callables_and_eager_code(env: Env, set_to_none: bool) -> None:
+    torch.manual_seed(7)
+    shared = torch.nn.Linear(8, 8).to(env.device)
+    ref = torch.nn.Linear(8, 8).to(env.device)
+    ref.load_state_dict(shared.state_dict())
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).tanh()
+
+    ga, gb = make_graphed_callables(
+        (Wrap(shared), Wrap(shared)),
+        ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),)),
+    )
+    eager_a, eager_b = Wrap(ref), Wrap(ref)
+    for model in (shared, ref):
+        model.zero_grad(set_to_none=set_to_none)
+    for _ in range(3):
+        x = env.randn(3, 8)
+        (gb(ga(x)) + shared(x)).pow(2).sum().backward()
+        (eager_b(eager_a(x)) + ref(x)).pow(2).sum().backward()
+    assert_close_lists(grads(shared), grads(ref))
