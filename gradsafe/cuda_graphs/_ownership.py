@@ -13,13 +13,13 @@ the same graph, and wrong wherever it is *kept*:
 * a non-leaf input: the producing node receives the view and may keep it
   (``AddBackward`` and view backwards pass it through unchanged, possibly all
   the way into a leaf's ``.grad``; a custom Function may store it; a tensor hook
-  may keep it). The one producer known to consume it at once is another
-  gradsafe-graphed callable, whose backward copies it into its own static
-  buffer before returning. So a non-leaf slot is copied unless it comes from a
-  gradsafe-graphed callable, has no tensor hooks, and that callable's backward
-  will run. (Residual case, documented: ``torch.autograd.grad(..., inputs=[h])``
-  for such an ``h`` between two graphed callables returns a view; the engine
-  does not tell a running node that its input is captured. Use ``"always"``.)
+  may keep it; ``torch.autograd.grad(..., inputs=[h])`` returns it). The one
+  producer known to consume it at once is another gradsafe-graphed callable,
+  whose backward copies it into its own static buffer before returning. So a
+  non-leaf slot is copied unless it comes from a gradsafe-graphed callable, has
+  no tensor hooks, that callable's backward will run, and the running backward
+  is shown to be ``Tensor.backward`` (some leaf accumulator in reach will run;
+  ``autograd.grad`` never runs one).
 
 Hooks registered directly on autograd nodes (``Node.register_prehook``) are not
 visible to Python; ``"always"`` covers them.
@@ -32,7 +32,12 @@ from typing import Any, Literal
 import torch
 from typing_extensions import TypeAlias
 
-from gradsafe.cuda_graphs._structure import is_accumulate_grad, leaf_fate, will_execute
+from gradsafe.cuda_graphs._structure import (
+    is_accumulate_grad,
+    is_accumulating_backward,
+    leaf_fate,
+    will_execute,
+)
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = ["Ownership", "owning_graphed", "OWNERSHIP_POLICIES"]
@@ -69,10 +74,21 @@ def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
     return leaf.grad is None or _has_tensor_hooks(leaf)
 
 
-def _nonleaf_needs_copy(producer: Any, held_input: torch.Tensor | None, policy: Ownership) -> bool:
+def _nonleaf_needs_copy(
+    producer: Any, held_input: torch.Tensor | None, policy: Ownership, accumulating: bool
+) -> bool:
     if policy == "always" or held_input is None:
         return True
-    return _has_tensor_hooks(held_input) or not will_execute(producer)
+    return _has_tensor_hooks(held_input) or not (accumulating and will_execute(producer))
+
+
+def _evidence_nodes(ctx: Any) -> list[Any]:
+    """Our own edges and those of the graphed callables feeding us: where leaf accumulators are."""
+    nodes = [node for node, _ in ctx.next_functions if node is not None]
+    for held in ctx.gradsafe_chained:
+        if held is not None:
+            nodes += [node for node, _ in held.grad_fn.next_functions if node is not None]
+    return nodes
 
 
 def owning_graphed(
@@ -99,6 +115,7 @@ def owning_graphed(
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
             static = upstream_backward(ctx, *grads)
             owned = list(static)
+            accumulating: bool | None = None  # probed once, only if a chained slot needs it
             with torch.no_grad():
                 for i, grad in enumerate(static):
                     if grad is None or not ctx.needs_input_grad[i]:
@@ -109,7 +126,10 @@ def owning_graphed(
                     if is_accumulate_grad(node):
                         copy = _leaf_needs_copy(node, policy)
                     else:
-                        copy = _nonleaf_needs_copy(node, ctx.gradsafe_chained[i], policy)
+                        held = ctx.gradsafe_chained[i]
+                        if held is not None and accumulating is None:
+                            accumulating = is_accumulating_backward(_evidence_nodes(ctx))
+                        copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
                     if copy:
                         owned[i] = grad.clone()
             return tuple(owned)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "UnsupportedTorchError",
     "find_graphed_site",
     "is_accumulate_grad",
+    "is_accumulating_backward",
     "leaf_fate",
     "will_execute",
 ]
@@ -128,3 +130,15 @@ def leaf_fate(accumulator: object) -> LeafFate:
         return "accumulated" if will_execute(accumulator) else "discarded"
     except RuntimeError:
         return "captured"
+
+
+def is_accumulating_backward(nodes: Iterable[object]) -> bool:
+    """Whether the running backward is ``Tensor.backward``/``torch.autograd.backward``.
+
+    True only with evidence: some leaf accumulator among ``nodes`` will run.
+    ``torch.autograd.grad`` never runs an accumulator (it captures or skips
+    leaves), and it is the one entry point that hands a non-leaf's incoming
+    gradient back to the caller as is; ``backward(inputs=[h])`` copies into
+    ``h.grad``. False means "may be autograd.grad, or no leaf to tell by".
+    """
+    return any(is_accumulate_grad(n) and leaf_fate(n) == "accumulated" for n in nodes)

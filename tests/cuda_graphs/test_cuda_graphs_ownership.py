@@ -596,3 +596,19 @@ def test_param_shared_by_two_callables_and_eager_code(env: Env, set_to_none: boo
         (gb(ga(x)) + shared(x)).pow(2).sum().backward()
         (eager_b(eager_a(x)) + ref(x)).pow(2).sum().backward()
     assert_close_lists(grads(shared), grads(ref))
+
+
+@pytest.mark.parametrize("requested", ["h", "h+params"])
+def test_autograd_grad_of_chained_link_is_owned(env: Env, requested: str) -> None:
+    a, b = mlp(env), mlp(env)
+    ga, gb = make_graphed_callables(
+        (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
+    )
+    params = list(b.parameters()) if requested == "h+params" else []
+    kept = []
+    x = env.randn(3, 8)
+    for scale in (1.0, 3.0):
+        h = ga(x)
+        kept.append(torch.autograd.grad((gb(h) * scale).sum(), [h, *params])[0])
+    # Same upstream gradient pattern scaled by 3: an owned first result is 1/3 of the second.
+    torch.testing.assert_close(kept[1], 3 * kept[0])
