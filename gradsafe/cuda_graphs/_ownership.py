@@ -33,6 +33,7 @@ import torch
 from typing_extensions import TypeAlias
 
 from gradsafe.cuda_graphs._structure import (
+    UnsupportedTorchError,
     is_accumulate_grad,
     is_accumulating_backward,
     leaf_fate,
@@ -114,6 +115,12 @@ def owning_graphed(
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
             static = upstream_backward(ctx, *grads)
+            if not isinstance(static, tuple) or len(static) != len(ctx.needs_input_grad):
+                raise UnsupportedTorchError(
+                    f"torch {torch.__version__}'s graphed backward returned {type(static).__name__} "
+                    f"for {len(ctx.needs_input_grad)} inputs; gradsafe expects one gradient per "
+                    "input. Pass ownership='never' to use upstream's callables as they are."
+                )
             owned = list(static)
             accumulating: bool | None = None  # probed once, only if a chained slot needs it
             with torch.no_grad():
