@@ -34,6 +34,8 @@ from typing_extensions import TypeAlias
 
 from gradsafe.cuda_graphs._structure import (
     UnsupportedTorchError,
+    function_class_of,
+    has_tensor_hooks,
     is_accumulate_grad,
     is_accumulating_backward,
     leaf_fate,
@@ -52,13 +54,7 @@ _MARK = "_gradsafe_owning_graphed"
 
 
 def _is_gradsafe_graphed_output(t: object) -> bool:
-    node = getattr(t, "grad_fn", None)
-    forward_cls = getattr(type(node), "_forward_cls", None)
-    return bool(getattr(forward_cls, _MARK, False))
-
-
-def _has_tensor_hooks(t: torch.Tensor) -> bool:
-    return bool(getattr(t, "_backward_hooks", None))
+    return bool(getattr(function_class_of(getattr(t, "grad_fn", None)), _MARK, False))
 
 
 def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
@@ -72,7 +68,7 @@ def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
         return False
     if policy == "always" or fate == "captured":
         return True
-    return leaf.grad is None or _has_tensor_hooks(leaf)
+    return leaf.grad is None or has_tensor_hooks(leaf)
 
 
 def _nonleaf_needs_copy(
@@ -80,7 +76,7 @@ def _nonleaf_needs_copy(
 ) -> bool:
     if policy == "always" or held_input is None:
         return True
-    return _has_tensor_hooks(held_input) or not (accumulating and will_execute(producer))
+    return has_tensor_hooks(held_input) or not (accumulating and will_execute(producer))
 
 
 def _evidence_nodes(ctx: Any) -> list[Any]:

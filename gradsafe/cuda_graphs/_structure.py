@@ -28,6 +28,8 @@ __all__ = [
     "LeafFate",
     "UnsupportedTorchError",
     "find_graphed_site",
+    "function_class_of",
+    "has_tensor_hooks",
     "is_accumulate_grad",
     "is_accumulating_backward",
     "leaf_fate",
@@ -102,6 +104,16 @@ def find_graphed_site(returned: object) -> GraphedSite:
 
 
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad
+
+
+def function_class_of(node: object) -> type | None:
+    """The ``autograd.Function`` subclass whose backward ``node`` runs, if it is one."""
+    return getattr(type(node), "_forward_cls", None)
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether ``t`` has hooks from ``Tensor.register_hook`` (which receive, and may keep, its gradient)."""
+    return bool(getattr(t, "_backward_hooks", None))
 
 
 def is_accumulate_grad(node: object) -> bool:
