@@ -90,12 +90,18 @@ def copy_table(device: torch.device) -> None:
                 print(f"{set_to_none!s:>11} | {mb:>12} | {policy:>6} | {clones:>11.1f} | {copies:>8.2f}")
 
 
-def step_times() -> None:
-    device = torch.device("cuda")
-    d_model, n_layers, seq, batch, microbatches = 1024, 12, 512, 8, 4
+def step_times(
+    device: torch.device,
+    d_model: int = 1024,
+    n_layers: int = 12,
+    seq: int = 512,
+    batch: int = 8,
+    microbatches: int = 4,
+    repeats: int = 20,
+) -> None:
     print(
         f"\n# step time, {n_layers} x TransformerEncoderLayer(d_model={d_model}), seq {seq}, "
-        f"batch {batch}, {microbatches} microbatches, bf16 autocast off, fp32"
+        f"batch {batch}, {microbatches} microbatches, fp32, on {device}"
     )
     results: dict[str, list[float]] = {}
     for policy in POLICIES:
@@ -127,7 +133,7 @@ def step_times() -> None:
             step()
         torch.cuda.synchronize()
         times = []
-        for _ in range(20):
+        for _ in range(repeats):
             start = time.perf_counter()
             step()
             torch.cuda.synchronize()
@@ -146,7 +152,7 @@ def main() -> None:
     with contextlib.nullcontext() if gpu else emulate_cuda_graphs():
         copy_table(torch.device("cuda" if gpu else "cpu"))
     if gpu:
-        step_times()
+        step_times(torch.device("cuda"))
     else:
         print("\n# step time: not measured (no GPU on this machine)")
 
