@@ -1,0 +1,142 @@
+"""Which gradients a graphed backward must copy out of its static buffers, and the Function that does it.
+
+Upstream's graphed backward returns ``static_grad.detach()`` for every input
+slot. That view is fine wherever autograd consumes it before the next replay of
+the same graph, and wrong wherever it is *kept*:
+
+* a leaf (parameter or user input) whose ``.grad`` is None: AccumulateGrad
+  steals the incoming tensor as ``.grad``; the next replay rewrites it (H3);
+* a leaf whose ``.grad`` exists: AccumulateGrad adds in place and drops the
+  view, so no copy is needed -- unless a tensor hook (``register_hook``) on the
+  leaf, which receives the view, may keep it;
+* a leaf captured by ``torch.autograd.grad``: the view is returned to the caller;
+* a non-leaf input: the producing node receives the view and may keep it
+  (``AddBackward`` and view backwards pass it through unchanged, possibly all
+  the way into a leaf's ``.grad``; a custom Function may store it; a tensor hook
+  may keep it; ``torch.autograd.grad(..., inputs=[h])`` returns it). The one
+  producer known to consume it at once is another gradsafe-graphed callable,
+  whose backward copies it into its own static buffer before returning. So a
+  non-leaf slot is copied unless it comes from a gradsafe-graphed callable, has
+  no tensor hooks, that callable's backward will run, and the running backward
+  is shown to be ``Tensor.backward`` (some leaf accumulator in reach will run;
+  ``autograd.grad`` never runs one).
+
+Hooks registered directly on autograd nodes (``Node.register_prehook``) are not
+visible to Python; ``"always"`` covers them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from typing_extensions import TypeAlias
+
+from gradsafe.cuda_graphs._structure import (
+    UnsupportedTorchError,
+    function_class_of,
+    has_tensor_hooks,
+    is_accumulate_grad,
+    is_accumulating_backward,
+    leaf_fate,
+    will_execute,
+)
+from gradsafe.wgrad.markers import grad_lifetime_is_managed
+
+__all__ = ["Ownership", "owning_graphed", "OWNERSHIP_POLICIES"]
+
+Ownership: TypeAlias = Literal["auto", "always", "never"]
+OWNERSHIP_POLICIES: tuple[Ownership, ...] = ("auto", "always", "never")
+
+# Class attribute marking gradsafe's Graphed subclasses (and, through
+# ``_forward_cls``, their backward nodes).
+_MARK = "_gradsafe_owning_graphed"
+
+
+def _is_gradsafe_graphed_output(t: object) -> bool:
+    return bool(getattr(function_class_of(getattr(t, "grad_fn", None)), _MARK, False))
+
+
+def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
+    leaf = accumulator.variable
+    if grad_lifetime_is_managed(leaf):
+        # Delayed wgrad writes the real gradient elsewhere (main_grad) at W
+        # time; the returned one is a placeholder and keeps upstream's alias.
+        return False
+    fate = leaf_fate(accumulator)
+    if fate == "discarded":
+        return False
+    if policy == "always" or fate == "captured":
+        return True
+    return leaf.grad is None or has_tensor_hooks(leaf)
+
+
+def _nonleaf_needs_copy(
+    producer: Any, held_input: torch.Tensor | None, policy: Ownership, accumulating: bool
+) -> bool:
+    if policy == "always" or held_input is None:
+        return True
+    return has_tensor_hooks(held_input) or not (accumulating and will_execute(producer))
+
+
+def _evidence_nodes(ctx: Any) -> list[Any]:
+    """Our own edges and those of the graphed callables feeding us: where leaf accumulators are."""
+    nodes = [node for node, _ in ctx.next_functions if node is not None]
+    for held in ctx.gradsafe_chained:
+        if held is not None:
+            nodes += [node for node, _ in held.grad_fn.next_functions if node is not None]
+    return nodes
+
+
+def owning_graphed(
+    graphed_cls: type[torch.autograd.Function], policy: Ownership
+) -> type[torch.autograd.Function]:
+    """A subclass of upstream's ``Graphed`` whose backward returns owned gradients per ``policy``."""
+    if policy not in ("auto", "always"):
+        raise ValueError(f"owning_graphed: policy must be 'auto' or 'always', got {policy!r}")
+    upstream_forward = graphed_cls.forward
+    upstream_backward = graphed_cls.backward
+
+    class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
+        @staticmethod
+        def forward(ctx: Any, *inputs: torch.Tensor) -> Any:
+            # An input produced by another gradsafe-graphed callable lives in
+            # that callable's static output buffer, so holding it costs no
+            # memory; its hooks are checked at backward time.
+            ctx.gradsafe_chained = tuple(
+                t if _is_gradsafe_graphed_output(t) else None for t in inputs
+            )
+            return upstream_forward(ctx, *inputs)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+            static = upstream_backward(ctx, *grads)
+            if not isinstance(static, tuple) or len(static) != len(ctx.needs_input_grad):
+                raise UnsupportedTorchError(
+                    f"torch {torch.__version__}'s graphed backward returned {type(static).__name__} "
+                    f"for {len(ctx.needs_input_grad)} inputs; gradsafe expects one gradient per "
+                    "input. Pass ownership='never' to use upstream's callables as they are."
+                )
+            owned = list(static)
+            accumulating: bool | None = None  # probed once, only if a chained slot needs it
+            with torch.no_grad():
+                for i, grad in enumerate(static):
+                    if grad is None or not ctx.needs_input_grad[i]:
+                        continue
+                    node = ctx.next_functions[i][0]
+                    if node is None:
+                        continue
+                    if is_accumulate_grad(node):
+                        copy = _leaf_needs_copy(node, policy)
+                    else:
+                        held = ctx.gradsafe_chained[i]
+                        if held is not None and accumulating is None:
+                            accumulating = is_accumulating_backward(_evidence_nodes(ctx))
+                        copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
+                    if copy:
+                        owned[i] = grad.clone()
+            return tuple(owned)
+
+    setattr(GradsafeGraphed, _MARK, True)
+    GradsafeGraphed.__qualname__ = f"GradsafeGraphed[{policy}]"
+    return GradsafeGraphed

@@ -1,0 +1,359 @@
+"""CPU stand-ins for the CUDA graph, stream and pool APIs, and the context manager that installs them.
+
+Everything here runs on CPU tensors: capture records aten ops
+(:mod:`gradsafe.testing._graph_recorder`), replay rewrites the captured tensors
+in place. Streams and events are ordering no-ops because the CPU runs ops in
+program order; synchronisation is therefore trivially satisfied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import threading
+import time
+import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Final
+
+import torch
+
+from gradsafe.testing._graph_recorder import GraphRecording, RecordingMode
+
+__all__ = [
+    "EmulatedCUDAGraph",
+    "EmulatedEvent",
+    "EmulatedStream",
+    "emulate_cuda_graphs",
+    "emulated_graph",
+]
+
+_pool_ids = itertools.count(1)
+_stream_ids = itertools.count(1)
+
+
+def _new_pool_handle() -> tuple[int, int]:
+    # Real handles are (id, 0)-style tuples; callers treat them as opaque tokens.
+    return (0, next(_pool_ids))
+
+
+class EmulatedStream:
+    """A stream handle. Work is ordered by the CPU, so waits are no-ops."""
+
+    def __init__(self, device: object = None, priority: int = 0, **_: object) -> None:
+        self.stream_id = next(_stream_ids)
+        self.priority = priority
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: EmulatedStream) -> None:
+        pass
+
+    def wait_event(self, event: EmulatedEvent) -> None:
+        pass
+
+    def record_event(self, event: EmulatedEvent | None = None) -> EmulatedEvent:
+        event = EmulatedEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<EmulatedStream {self.stream_id}>"
+
+
+class EmulatedEvent:
+    """An event handle; ``elapsed_time`` measures host time between records."""
+
+    def __init__(self, enable_timing: bool = False, **_: object) -> None:
+        self._when: float | None = None
+
+    def record(self, stream: EmulatedStream | None = None) -> None:
+        self._when = time.perf_counter()
+
+    def wait(self, stream: EmulatedStream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: EmulatedEvent) -> float:
+        if self._when is None or end_event._when is None:
+            raise RuntimeError("emulated Event.elapsed_time: both events must be recorded first")
+        return (end_event._when - self._when) * 1000.0
+
+
+class _StreamState(threading.local):
+    def __init__(self) -> None:
+        self.default = EmulatedStream()
+        self.current = self.default
+        self.capturing: EmulatedCUDAGraph | None = None
+
+
+_STATE = _StreamState()
+
+
+class _StreamContext:
+    def __init__(self, stream: EmulatedStream | None) -> None:
+        self._stream = stream
+        self._previous: EmulatedStream | None = None
+
+    def __enter__(self) -> EmulatedStream | None:
+        if self._stream is not None:
+            self._previous, _STATE.current = _STATE.current, self._stream
+        return self._stream
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            _STATE.current = self._previous
+
+
+def _stream(stream: EmulatedStream | None) -> _StreamContext:
+    return _StreamContext(stream)
+
+
+def _current_stream(device: object = None) -> EmulatedStream:
+    return _STATE.current
+
+
+def _default_stream(device: object = None) -> EmulatedStream:
+    return _STATE.default
+
+
+def _synchronize(device: object = None) -> None:
+    pass
+
+
+def _empty_cache() -> None:
+    pass
+
+
+def _is_current_stream_capturing() -> bool:
+    return _STATE.capturing is not None
+
+
+def _graph_pool_handle() -> tuple[int, int]:
+    return _new_pool_handle()
+
+
+class EmulatedCUDAGraph:
+    """Stand-in for :class:`torch.cuda.CUDAGraph` with real static-memory semantics.
+
+    ``capture_begin``/``capture_end`` record every aten op run in between (on
+    this thread); ``replay`` re-runs them, reading the captured input tensors as
+    they are *now* and writing results into the captured output tensors in place.
+    """
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self._recording: GraphRecording | None = None
+        self._mode: RecordingMode | None = None
+        self._pool: tuple[int, int] | None = None
+
+    def capture_begin(
+        self,
+        pool: object = None,
+        capture_error_mode: str = "global",
+        check_input_liveness: bool = False,
+    ) -> None:
+        if _STATE.capturing is not None:
+            raise RuntimeError("emulated CUDAGraph: another capture is already underway")
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise RuntimeError(f"emulated CUDAGraph: unknown capture_error_mode {capture_error_mode!r}")
+        self._pool = pool if pool is not None else _new_pool_handle()  # type: ignore[assignment]
+        self._recording = GraphRecording()
+        self._mode = RecordingMode(self._recording)
+        _STATE.capturing = self
+        self._mode.__enter__()
+
+    def capture_end(self) -> None:
+        if self._mode is None or self._recording is None or _STATE.capturing is not self:
+            raise RuntimeError("emulated CUDAGraph: capture_end() without capture_begin()")
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            _STATE.capturing = None
+            self._mode = None
+        self._recording.seal()
+
+    def instantiate(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        if self._recording is None:
+            raise RuntimeError("emulated CUDAGraph: replay() before any capture")
+        if _STATE.capturing is not None:
+            raise NotImplementedError(
+                "emulated CUDAGraph: replaying one graph while capturing another is not emulated"
+            )
+        self._recording.replay()
+
+    def reset(self) -> None:
+        self._recording = None
+
+    def pool(self) -> object:
+        if self._pool is None:
+            raise RuntimeError("emulated CUDAGraph: pool() before capture_begin()")
+        return self._pool
+
+    @property
+    def num_recorded_ops(self) -> int:
+        """How many aten ops the capture recorded (0 before capture)."""
+        return 0 if self._recording is None else self._recording.num_ops
+
+
+class emulated_graph:  # noqa: N801 -- mirrors torch.cuda.graph, a class used as a context manager
+    """Stand-in for :class:`torch.cuda.graph` (the capture context manager)."""
+
+    default_capture_stream: EmulatedStream | None = None
+
+    def __init__(
+        self,
+        cuda_graph: EmulatedCUDAGraph,
+        pool: object = None,
+        stream: EmulatedStream | None = None,
+        capture_error_mode: str = "global",
+        **_ignored: object,
+    ) -> None:
+        self.cuda_graph = cuda_graph
+        self.pool = pool
+        self.capture_error_mode = capture_error_mode
+        if stream is None and emulated_graph.default_capture_stream is None:
+            emulated_graph.default_capture_stream = EmulatedStream()
+        self.capture_stream = stream if stream is not None else emulated_graph.default_capture_stream
+        self._stream_ctx = _StreamContext(self.capture_stream)
+
+    def __enter__(self) -> None:
+        self._stream_ctx.__enter__()
+        self.cuda_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.cuda_graph.capture_end()
+        finally:
+            self._stream_ctx.__exit__(exc_type, exc, tb)
+
+
+# Every slot the emulation replaces: (module, attribute, stand-in).
+_SLOTS: Final = (
+    ("torch.cuda", "CUDAGraph", EmulatedCUDAGraph),
+    ("torch.cuda", "graph", emulated_graph),
+    ("torch.cuda", "graph_pool_handle", _graph_pool_handle),
+    ("torch.cuda", "is_current_stream_capturing", _is_current_stream_capturing),
+    ("torch.cuda", "Stream", EmulatedStream),
+    ("torch.cuda", "Event", EmulatedEvent),
+    ("torch.cuda", "stream", _stream),
+    ("torch.cuda", "current_stream", _current_stream),
+    ("torch.cuda", "default_stream", _default_stream),
+    ("torch.cuda", "synchronize", _synchronize),
+    ("torch.cuda", "empty_cache", _empty_cache),
+    ("torch.cuda.graphs", "CUDAGraph", EmulatedCUDAGraph),
+    ("torch.cuda.graphs", "graph", emulated_graph),
+    ("torch.cuda.graphs", "graph_pool_handle", _graph_pool_handle),
+    ("torch.cuda.graphs", "is_current_stream_capturing", _is_current_stream_capturing),
+)
+
+
+@dataclasses.dataclass
+class _Installed:
+    """The originals put aside by the outermost active ``emulate_cuda_graphs``."""
+
+    depth: int = 0
+    originals: list[tuple[types.ModuleType, str, object]] = dataclasses.field(default_factory=list)
+
+
+_LOCK = threading.Lock()
+_INSTALLED = _Installed()
+
+
+def _install() -> None:
+    try:
+        for module_name, attr, stand_in in _SLOTS:
+            module = importlib.import_module(module_name)
+            _INSTALLED.originals.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, stand_in)
+    except BaseException:
+        _restore()
+        raise
+
+
+def _restore() -> None:
+    stand_ins = {(m, a): s for m, a, s in _SLOTS}
+    for module, attr, original in reversed(_INSTALLED.originals):
+        name = getattr(module, "__name__", "?")
+        if getattr(module, attr) is not stand_ins[(name, attr)]:
+            warnings.warn(
+                f"emulate_cuda_graphs: {name}.{attr} was replaced while the emulation was "
+                "active; restoring torch's original over it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        setattr(module, attr, original)
+    _INSTALLED.originals.clear()
+
+
+@contextmanager
+def emulate_cuda_graphs() -> Iterator[None]:
+    """Run CUDA-graph code (``torch.cuda.make_graphed_callables``, ``torch.cuda.graph``) on a CPU-only machine.
+
+    Inside the block, ``torch.cuda.CUDAGraph``, ``torch.cuda.graph``,
+    ``torch.cuda.graph_pool_handle``, ``torch.cuda.is_current_stream_capturing``,
+    ``torch.cuda.Stream``/``Event``/``stream``/``current_stream``/``default_stream``,
+    ``torch.cuda.synchronize`` and ``torch.cuda.empty_cache`` (and the same names
+    in ``torch.cuda.graphs``) are CPU stand-ins with the memory semantics of
+    real CUDA graphs:
+
+    * capture runs the captured code eagerly and records every aten op it runs,
+      together with the exact tensors it read and produced;
+    * ``replay()`` re-runs the recorded ops, reading the captured input tensors
+      as they are now and writing every result into the tensor the capture
+      produced, in place (no autograd version-counter bumps, no ops visible to
+      dispatch modes), so a tensor that aliases a static buffer changes under
+      its holder exactly as on a GPU.
+
+    Tensors stay on the CPU: pass CPU sample args and inputs. This makes graphed
+    training loops testable in CPU-only CI, including aliasing bugs such as a
+    gradient that lives in a static buffer being overwritten by the next replay.
+
+    Not emulated: memory reuse between graphs sharing a pool (the emulation
+    keeps every captured tensor alive, which can hide a pool-reuse bug), and
+    replaying one graph inside another capture. ``.item()``/``bool(tensor)``
+    during capture raise, as on a GPU.
+
+    Nesting is allowed; torch's objects are put back when the outermost block
+    exits (also on an exception).
+
+    Example::
+
+        from gradsafe.testing import emulate_cuda_graphs
+
+        with emulate_cuda_graphs():
+            graphed = torch.cuda.make_graphed_callables(model, (torch.randn(8, 16),))
+            graphed(x).sum().backward()
+    """
+    with _LOCK:
+        if _INSTALLED.depth == 0:
+            _install()
+        _INSTALLED.depth += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _INSTALLED.depth -= 1
+            if _INSTALLED.depth == 0:
+                _restore()

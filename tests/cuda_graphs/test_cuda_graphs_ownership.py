@@ -1,0 +1,614 @@
+"""gradsafe.cuda_graphs.make_graphed_callables vs upstream's, under CUDA-graph emulation and on a real GPU.
+
+Every test body runs twice through the ``env`` fixture: ``emulated`` (CPU,
+``gradsafe.testing.emulate_cuda_graphs``) and ``cuda`` (a real GPU, skipped
+without one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradsafe
+from gradsafe.cuda_graphs import UnsupportedTorchError, make_graphed_callables
+from gradsafe.testing import emulate_cuda_graphs
+from gradsafe.wgrad.markers import mark_delayed_wgrad
+
+SEED_X1 = [[1.0, 2, 3, 4], [2, 3, 4, 5]]
+SEED_X2 = [[10.0, 20, 30, 40], [1, 2, 3, 4]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Env:
+    device: torch.device
+
+    def tensor(self, data: Any, **kw: Any) -> torch.Tensor:
+        return torch.tensor(data, device=self.device, **kw)
+
+    def randn(self, *shape: int, **kw: Any) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, **kw)
+
+
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    torch.manual_seed(0)
+    if request.param == "cuda":
+        yield Env(torch.device("cuda"))
+        torch.cuda.synchronize()
+    else:
+        with emulate_cuda_graphs():
+            yield Env(torch.device("cpu"))
+
+
+def upstream_mgc(*args: Any, **kwargs: Any) -> Any:
+    return torch.cuda.graphs.make_graphed_callables(*args, **kwargs)
+
+
+def gradsafe_mgc(*args: Any, **kwargs: Any) -> Any:
+    return make_graphed_callables(*args, **kwargs)
+
+
+def _always(*args: Any, **kwargs: Any) -> Any:
+    return make_graphed_callables(*args, ownership="always", **kwargs)
+
+
+SAFE = [pytest.param(gradsafe_mgc, id="auto"), pytest.param(_always, id="always")]
+
+
+class ScaleByWeight(torch.nn.Module):
+    def __init__(self, env: Env, width: int = 4) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(1.0, width + 1, device=env.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def mlp(env: Env, width: int = 8) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width)
+    ).to(env.device)
+
+
+class CloneCounter(TorchDispatchMode):
+    """Counts aten.clone calls (graph replays dispatch no ops, so only real clones count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clones = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.clone.default:
+            self.clones += 1
+            self.bytes += args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def assert_close_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
+# --- the seed report ------------------------------------------------------------------------
+
+
+def _seed(env: Env, mgc: Callable[..., Any]) -> list[float]:
+    model = ScaleByWeight(env)
+    graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
+    graphed(env.tensor(SEED_X1)).sum().backward()
+    graphed(env.tensor(SEED_X2)).sum().backward()
+    return model.weight.grad.tolist()
+
+
+def test_seed_repro_upstream_aliases(env: Env) -> None:
+    assert _seed(env, upstream_mgc) == [22.0, 44.0, 66.0, 88.0]
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_seed_repro_gradsafe_accumulates(env: Env, mgc: Callable[..., Any]) -> None:
+    assert _seed(env, mgc) == [14.0, 27.0, 40.0, 53.0]
+
+
+# --- leaf inputs ----------------------------------------------------------------------------
+
+
+def _leaf_input(env: Env, mgc: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    w = env.tensor([1.0, 2, 3, 4])
+    graphed = mgc(lambda x: x * w, (torch.ones(4, device=env.device, requires_grad=True),))
+    x = torch.ones(4, device=env.device, requires_grad=True)
+    (graphed(x) * 1).sum().backward()  # grad w, stolen as x.grad upstream
+    (graphed(x) * 3).sum().backward()  # grad 3w
+    return x.grad, w
+
+
+def test_leaf_input_upstream_aliases(env: Env) -> None:
+    got, w = _leaf_input(env, upstream_mgc)
+    torch.testing.assert_close(got, 6 * w)
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_leaf_input_gradsafe_accumulates(env: Env, mgc: Callable[..., Any]) -> None:
+    got, w = _leaf_input(env, mgc)
+    torch.testing.assert_close(got, 4 * w)
+
+
+def test_leaf_input_through_pass_through_node(env: Env) -> None:
+    # x + 0 is a non-leaf whose AddBackward passes the gradient through
+    # unchanged into x's AccumulateGrad: a non-leaf slot can end up as .grad.
+    w = env.tensor([1.0, 2, 3, 4])
+    results = {}
+    for name, mgc in (("upstream", upstream_mgc), ("gradsafe", gradsafe_mgc)):
+        graphed = mgc(lambda x: x * w, (torch.ones(4, device=env.device, requires_grad=True),))
+        x = torch.ones(4, device=env.device, requires_grad=True)
+        (graphed(x + 0) * 1).sum().backward()
+        (graphed(x + 0) * 3).sum().backward()
+        results[name] = x.grad
+    torch.testing.assert_close(results["upstream"], 6 * w)
+    torch.testing.assert_close(results["gradsafe"], 4 * w)
+
+
+# --- hooks ----------------------------------------------------------------------------------
+
+
+def _hook_keeps(env: Env, mgc: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    model = ScaleByWeight(env)
+    graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
+    model.weight.grad = torch.zeros_like(model.weight)  # in-place accumulation path
+    kept: list[torch.Tensor] = []
+    model.weight.register_hook(lambda g: kept.append(g))
+    x1 = env.tensor(SEED_X1)
+    graphed(x1).sum().backward()
+    graphed(env.tensor(SEED_X2)).sum().backward()
+    return kept[0], x1.sum(0)
+
+
+def test_param_hook_keeps_view_upstream(env: Env) -> None:
+    kept, g1 = _hook_keeps(env, upstream_mgc)
+    assert kept.tolist() == [11.0, 22.0, 33.0, 44.0]  # microbatch 2's values
+    assert not torch.equal(kept, g1)
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_param_hook_keeps_owned_gradsafe(env: Env, mgc: Callable[..., Any]) -> None:
+    kept, g1 = _hook_keeps(env, mgc)
+    torch.testing.assert_close(kept, g1)
+
+
+@pytest.mark.parametrize("mgc", [pytest.param(upstream_mgc, id="upstream"), *SAFE])
+def test_nonleaf_input_hook(env: Env, mgc: Callable[..., Any]) -> None:
+    w = env.tensor([1.0, 2, 3, 4])
+    graphed = mgc(lambda x: x * w, (torch.ones(4, device=env.device, requires_grad=True),))
+    x = torch.ones(4, device=env.device, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    h = x * 2
+    h.register_hook(lambda g: kept.append(g))
+    (graphed(h) * 1).sum().backward()
+    (graphed(x * 2) * 3).sum().backward()
+    if mgc is upstream_mgc:
+        torch.testing.assert_close(kept[0], 3 * w)  # overwritten by the second replay
+    else:
+        torch.testing.assert_close(kept[0], w)
+
+
+# --- autograd.grad --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mgc", [pytest.param(upstream_mgc, id="upstream"), *SAFE])
+def test_autograd_grad_returns_owned(env: Env, mgc: Callable[..., Any]) -> None:
+    model = ScaleByWeight(env)
+    graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
+    model.weight.grad = torch.zeros_like(model.weight)
+    x1 = env.tensor(SEED_X1)
+    (g1,) = torch.autograd.grad(graphed(x1).sum(), [model.weight])
+    (g2,) = torch.autograd.grad(graphed(env.tensor(SEED_X2)).sum(), [model.weight])
+    assert g2.tolist() == [11.0, 22.0, 33.0, 44.0]
+    if mgc is upstream_mgc:
+        assert g1.tolist() == g2.tolist()
+    else:
+        torch.testing.assert_close(g1, x1.sum(0))
+    assert model.weight.grad.abs().sum().item() == 0  # autograd.grad never accumulates
+
+
+# --- several callables, chains, shared pool -------------------------------------------------
+
+
+def _two_layer_reference(
+    env: Env, mgc: Callable[..., Any] | None, microbatches: int, hook_on_h: bool = False
+) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    a, b = mlp(env), mlp(env)
+    xs = [env.randn(3, 8) for _ in range(microbatches)]
+    if mgc is not None:
+        sample = env.randn(3, 8)
+        a, b = mgc((a, b), ((sample,), (env.randn(3, 8, requires_grad=True),)))
+    kept: list[torch.Tensor] = []
+    for x in xs:
+        h = a(x)
+        if hook_on_h:
+            h.register_hook(lambda g: kept.append(g))
+        b(h).pow(2).sum().backward()
+    out = grads(a) + grads(b)
+    if hook_on_h:
+        out += kept
+    return out
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_chained_callables_share_pool(env: Env, mgc: Callable[..., Any]) -> None:
+    want = _two_layer_reference(env, None, 4)
+    assert_close_lists(_two_layer_reference(env, mgc, 4), want)
+    assert not all(
+        torch.allclose(x, y) for x, y in zip(_two_layer_reference(env, upstream_mgc, 4), want)
+    )
+
+
+def test_chained_link_not_copied_under_auto(env: Env) -> None:
+    # b's input slot comes from gradsafe-graphed a: a's backward copies it at
+    # once, so "auto" copies only the parameters (once: their .grad is None).
+    torch.manual_seed(1)
+    a, b = mlp(env), mlp(env)
+    n_params = len(list(a.parameters())) + len(list(b.parameters()))
+    a, b = make_graphed_callables(
+        (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
+    )
+    with CloneCounter() as counter:
+        for _ in range(3):
+            b(a(env.randn(3, 8))).sum().backward()
+    assert counter.clones == n_params
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_chained_link_with_hook_is_copied(env: Env, mgc: Callable[..., Any]) -> None:
+    want = _two_layer_reference(env, None, 3, hook_on_h=True)
+    assert_close_lists(_two_layer_reference(env, mgc, 3, hook_on_h=True), want)
+
+
+def test_explicit_shared_pool_across_calls(env: Env) -> None:
+    torch.manual_seed(2)
+    a, b = mlp(env), mlp(env)
+    ref_a, ref_b = mlp(env), mlp(env)
+    ref_a.load_state_dict(a.state_dict())
+    ref_b.load_state_dict(b.state_dict())
+    pool = torch.cuda.graph_pool_handle()
+    ga = make_graphed_callables(a, (env.randn(3, 8),), pool=pool)
+    gb = make_graphed_callables(b, (env.randn(3, 8),), pool=pool)
+    # Replayed in capture order (a fwd, a bwd, b fwd, b bwd): the order under
+    # which separately captured graphs may share a pool.
+    for _ in range(3):
+        x = env.randn(3, 8)
+        ga(x).sum().backward()
+        gb(x).pow(2).sum().backward()
+        ref_a(x).sum().backward()
+        ref_b(x).pow(2).sum().backward()
+    assert_close_lists(grads(a) + grads(b), grads(ref_a) + grads(ref_b))
+
+
+# --- pytree outputs, eval fallback, requires_grad=False, allow_unused_input -----------------
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_pytree_outputs(env: Env, mgc: Callable[..., Any]) -> None:
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(4, 4).to(env.device)
+    ref = torch.nn.Linear(4, 4).to(env.device)
+    ref.load_state_dict(lin.state_dict())
+
+    class Two(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            y = self.inner(x)
+            return {"y": y, "pair": (y.tanh(), y * 2)}
+
+    graphed, eager = mgc(Two(lin), (env.randn(2, 4),)), Two(ref)
+    for _ in range(3):
+        x = env.randn(2, 4)
+        for model in (graphed, eager):
+            out = model(x)
+            (out["y"].sum() + out["pair"][0].pow(2).sum() + out["pair"][1].mean()).backward()
+    assert_close_lists(grads(lin), grads(ref))
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_eval_falls_back_to_eager_forward(env: Env, mgc: Callable[..., Any]) -> None:
+    torch.manual_seed(4)
+    model = mlp(env)
+    ref = mlp(env)
+    ref.load_state_dict(model.state_dict())
+    graphed = mgc(model, (env.randn(3, 8),))
+    x = env.randn(3, 8)
+    static = graphed(x)
+    graphed.eval()
+    ref.eval()
+    eager_out = graphed(x)
+    # The eval call ran the original forward: a fresh tensor, not the static output.
+    assert eager_out.data_ptr() != static.data_ptr()
+    torch.testing.assert_close(eager_out, ref(x))
+    eager_out.sum().backward()
+    ref(x).sum().backward()
+    graphed.train()
+    ref.train()
+    graphed(x).sum().backward()
+    ref(x).sum().backward()
+    assert_close_lists(grads(model), grads(ref))
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_requires_grad_false_input(env: Env, mgc: Callable[..., Any]) -> None:
+    w = env.tensor([1.0, 2, 3, 4])
+
+    def fn(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * w * mask
+
+    sample = (torch.ones(4, device=env.device, requires_grad=True), torch.ones(4, device=env.device))
+    graphed = mgc(fn, sample)
+    x = torch.ones(4, device=env.device, requires_grad=True)
+    mask = env.tensor([1.0, 0, 1, 0])
+    graphed(x, mask).sum().backward()
+    graphed(x, mask * 2).sum().backward()
+    torch.testing.assert_close(x.grad, w * 3 * env.tensor([1.0, 0, 1, 0]))
+    assert mask.grad is None
+
+
+@pytest.mark.parametrize("mgc", SAFE)
+def test_allow_unused_input(env: Env, mgc: Callable[..., Any]) -> None:
+    model = ScaleByWeight(env)
+
+    class Unused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    sample = (torch.ones(2, 4, device=env.device), torch.ones(4, device=env.device, requires_grad=True))
+    graphed = mgc(Unused(), sample, allow_unused_input=True)
+    unused = torch.ones(4, device=env.device, requires_grad=True)
+    graphed(env.tensor(SEED_X1), unused).sum().backward()
+    graphed(env.tensor(SEED_X2), unused).sum().backward()
+    assert model.weight.grad.tolist() == [14.0, 27.0, 40.0, 53.0]
+    assert unused.grad is None
+
+
+# --- delayed wgrad --------------------------------------------------------------------------
+
+
+def _mark_gradsafe(p: torch.nn.Parameter) -> None:
+    mark_delayed_wgrad(p)
+
+
+def _mark_te(p: torch.nn.Parameter) -> None:
+    p.skip_backward_post_hook = True  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mark", [_mark_gradsafe, _mark_te], ids=["gradsafe-marker", "te-attr"])
+@pytest.mark.parametrize("mgc", SAFE)
+def test_delayed_wgrad_param_keeps_alias(
+    env: Env, mgc: Callable[..., Any], mark: Callable[[torch.nn.Parameter], None]
+) -> None:
+    marked, plain = ScaleByWeight(env), ScaleByWeight(env)
+    mark(marked.weight)
+
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.marked, self.plain = marked, plain
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.marked(x) + self.plain(x)
+
+    graphed = mgc(Both(), (torch.ones(2, 4, device=env.device),))
+    graphed(env.tensor(SEED_X1)).sum().backward()
+    first_marked, first_plain = marked.weight.grad, plain.weight.grad
+    marked.weight.grad = plain.weight.grad = None
+    graphed(env.tensor(SEED_X2)).sum().backward()
+    # The marked parameter's returned gradient is upstream's static view: the
+    # second replay rewrote what the first backward installed.
+    assert first_marked.tolist() == [11.0, 22.0, 33.0, 44.0]
+    assert first_plain.tolist() == [3.0, 5.0, 7.0, 9.0]
+
+
+# --- accumulation and optimizer steps -------------------------------------------------------
+
+
+def _train(
+    env: Env, mgc: Callable[..., Any] | None, steps: int, microbatches: int, set_to_none: bool
+) -> list[torch.Tensor]:
+    torch.manual_seed(5)
+    model = mlp(env)
+    data = [[env.randn(3, 8) for _ in range(microbatches)] for _ in range(steps)]
+    run = model if mgc is None else mgc(model, (env.randn(3, 8),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in data:
+        opt.zero_grad(set_to_none=set_to_none)
+        for x in batch:
+            run(x).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("microbatches", [1, 5])
+@pytest.mark.parametrize("mgc", SAFE)
+def test_training_matches_eager(
+    env: Env, mgc: Callable[..., Any], microbatches: int, set_to_none: bool
+) -> None:
+    want = _train(env, None, 3, microbatches, set_to_none)
+    assert_close_lists(_train(env, mgc, 3, microbatches, set_to_none), want)
+
+
+def test_upstream_training_with_accumulation_is_wrong(env: Env) -> None:
+    want = _train(env, None, 2, 5, True)
+    got = _train(env, upstream_mgc, 2, 5, True)
+    assert not all(torch.allclose(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("microbatches", [4, 6])
+def test_accumulation_over_many_microbatches(env: Env, microbatches: int) -> None:
+    torch.manual_seed(6)
+    model, ref = mlp(env), mlp(env)
+    ref.load_state_dict(model.state_dict())
+    graphed = make_graphed_callables(model, (env.randn(3, 8),))
+    for _ in range(microbatches):
+        x = env.randn(3, 8)
+        graphed(x).sum().backward()
+        ref(x).sum().backward()
+    assert_close_lists(grads(model), grads(ref))
+
+
+# --- ownership policies: what each one copies -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ownership", "set_to_none", "expected_clones"),
+    [
+        ("auto", True, 4),  # first microbatch of each of 2 steps, 2 params
+        ("auto", False, 2),  # .grad stays allocated after step 1
+        ("always", True, 2 * 3 * 2),  # every microbatch
+        ("never", True, 0),
+    ],
+)
+def test_ownership_clone_counts(
+    env: Env, ownership: str, set_to_none: bool, expected_clones: int
+) -> None:
+    model = torch.nn.Linear(8, 8).to(env.device)
+    graphed = make_graphed_callables(model, (env.randn(3, 8),), ownership=ownership)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CloneCounter() as counter:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=set_to_none)
+            for _ in range(3):
+                graphed(env.randn(3, 8)).sum().backward()
+            opt.step()
+    assert counter.clones == expected_clones
+
+
+def test_invalid_ownership_rejected(env: Env) -> None:
+    with pytest.raises(ValueError, match="ownership must be one of"):
+        make_graphed_callables(ScaleByWeight(env), (torch.ones(2, 4),), ownership="sometimes")
+
+
+# --- patch and unsupported structures (no graphs needed beyond emulation) -------------------
+
+
+def test_patch_installs_and_restores_both_names() -> None:
+    before = (torch.cuda.make_graphed_callables, torch.cuda.graphs.make_graphed_callables)
+    with gradsafe.patch("cuda_graphs"):
+        assert torch.cuda.make_graphed_callables is make_graphed_callables
+        assert torch.cuda.graphs.make_graphed_callables is make_graphed_callables
+        assert gradsafe.get_original("torch.cuda.graphs", "make_graphed_callables") is before[1]
+        assert gradsafe.status()["cuda_graphs"].active
+    assert (torch.cuda.make_graphed_callables, torch.cuda.graphs.make_graphed_callables) == before
+
+
+def test_patched_torch_name_is_safe(env: Env) -> None:
+    with gradsafe.patch("cuda_graphs"):
+        got = _seed(env, torch.cuda.make_graphed_callables)
+    assert got == [14.0, 27.0, 40.0, 53.0]
+
+
+def test_unrecognised_structure_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reshaped(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
+        return lambda *a: a  # no closure over a ``Graphed`` Function
+
+    monkeypatch.setattr(torch.cuda.graphs, "make_graphed_callables", reshaped)
+    with pytest.raises(UnsupportedTorchError, match=torch.__version__.replace("+", r"\+")):
+        make_graphed_callables(lambda x: x, (torch.ones(1),))
+    assert make_graphed_callables(lambda x: x, (torch.ones(1),), ownership="never")(1) == (1,)
+
+
+def test_arguments_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def recorder(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        return lambda *a: a
+
+    monkeypatch.setattr(torch.cuda.graphs, "make_graphed_callables", recorder)
+    make_graphed_callables("c", "s", 7, True, pool="p", capture_error_mode="relaxed", ownership="never")
+    assert seen == [(("c", "s", 7, True), {"pool": "p", "capture_error_mode": "relaxed"})]
+
+
+def test_no_availability_gate() -> None:
+    # Works wherever upstream works: under emulation, with no GPU at all.
+    with emulate_cuda_graphs() if not torch.cuda.is_available() else contextlib.nullcontext():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        graphed = make_graphed_callables(lambda x: x * 2, (torch.ones(2, device=device, requires_grad=True),))
+        x = torch.ones(2, device=device, requires_grad=True)
+        graphed(x).sum().backward()
+        assert x.grad.tolist() == [2.0, 2.0]
+
+
+def test_retain_grad_on_chained_link_is_owned(env: Env) -> None:
+    # retain_grad copies on its own, so "auto" need not copy the chained slot.
+    a, b = mlp(env), mlp(env)
+    ga, gb = make_graphed_callables(
+        (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
+    )
+    h1 = ga(env.randn(3, 8))
+    h1.retain_grad()
+    gb(h1).sum().backward()
+    first = h1.grad.clone()
+    gb(ga(env.randn(3, 8))).pow(2).sum().backward()
+    torch.testing.assert_close(h1.grad, first)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_param_shared_by_two_callables_and_eager_code(env: Env, set_to_none: bool) -> None:
+    torch.manual_seed(7)
+    shared = torch.nn.Linear(8, 8).to(env.device)
+    ref = torch.nn.Linear(8, 8).to(env.device)
+    ref.load_state_dict(shared.state_dict())
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).tanh()
+
+    ga, gb = make_graphed_callables(
+        (Wrap(shared), Wrap(shared)),
+        ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),)),
+    )
+    eager_a, eager_b = Wrap(ref), Wrap(ref)
+    for model in (shared, ref):
+        model.zero_grad(set_to_none=set_to_none)
+    for _ in range(3):
+        x = env.randn(3, 8)
+        (gb(ga(x)) + shared(x)).pow(2).sum().backward()
+        (eager_b(eager_a(x)) + ref(x)).pow(2).sum().backward()
+    assert_close_lists(grads(shared), grads(ref))
+
+
+@pytest.mark.parametrize("requested", ["h", "h+params"])
+def test_autograd_grad_of_chained_link_is_owned(env: Env, requested: str) -> None:
+    a, b = mlp(env), mlp(env)
+    ga, gb = make_graphed_callables(
+        (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
+    )
+    params = list(b.parameters()) if requested == "h+params" else []
+    kept = []
+    x = env.randn(3, 8)
+    for scale in (1.0, 3.0):
+        h = ga(x)
+        kept.append(torch.autograd.grad((gb(h) * scale).sum(), [h, *params])[0])
+    # Same upstream gradient pattern scaled by 3: an owned first result is 1/3 of the second.
+    torch.testing.assert_close(kept[1], 3 * kept[0])
