@@ -37,9 +37,11 @@ def _seed_repro() -> Outcome:
         )
         x1 = torch.tensor([[1.0, 2, 3, 4], [2, 3, 4, 5]], device=device)
         x2 = torch.tensor([[10.0, 20, 30, 40], [1, 2, 3, 4]], device=device)
+        assert isinstance(graphed, torch.nn.Module)
         graphed(x1).sum().backward()
         graphed(x2).sum().backward()
         torch.cuda.synchronize()
+        assert model.weight.grad is not None
         got = model.weight.grad.tolist()
     note = " (g2+g2: .grad aliased the static buffer)" if got == _ALIASED else ""
     return Outcome(got == _EXPECTED, f"2-microbatch grad {got}{note}, {where}")

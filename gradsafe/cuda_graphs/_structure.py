@@ -103,7 +103,7 @@ def find_graphed_site(returned: object) -> GraphedSite:
     return GraphedSite(cell, graphed_cls)
 
 
-_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def function_class_of(node: object) -> type | None:
@@ -123,7 +123,7 @@ def is_accumulate_grad(node: object) -> bool:
 
 def will_execute(node: object) -> bool:
     """Whether the running backward will run ``node`` (called from inside a backward)."""
-    return bool(torch._C._will_engine_execute_node(node))
+    return bool(torch._C._will_engine_execute_node(node))  # type: ignore[arg-type]
 
 
 LeafFate = Literal["accumulated", "captured", "discarded"]

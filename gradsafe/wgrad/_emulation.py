@@ -103,7 +103,10 @@ class EmulatedDDP:
                     raise ValueError("a delayed-wgrad parameter needs the store to hook")
                 self._handles.append(store.register_grad_ready_hook(p, self._hook_for(p)))
             else:
-                node = p.expand_as(p).grad_fn.next_functions[0][0]  # AccumulateGrad
+                view_fn = p.expand_as(p).grad_fn
+                assert view_fn is not None  # p requires grad
+                node = view_fn.next_functions[0][0]  # AccumulateGrad
+                assert node is not None
                 # A parameter holds its AccumulateGrad node only weakly: keep it (and
                 # its hooks) alive, as Megatron does.
                 self._grad_accs.append(node)
