@@ -37,9 +37,8 @@ def _plan() -> Sequence[Target] | Skip:
         )
     if found.keeps_placements:
         return Skip(
-            "verified: upstream already keeps placements (probed new_empty_strided, "
-            "new_empty and copy_ with Partial(sum/avg/max), Shard(0) and "
-            "[Shard(0), Partial(sum)] on 1-D and 2-D meshes)"
+            "verified: upstream already keeps placements "
+            "(probed new_empty(_strided) + copy_, Partial and Shard, 1-D and 2-D meshes)"
         )
     targets: list[Target] = []
     single_dim = _torch.single_dim_strategy_table()
