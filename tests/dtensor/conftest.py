@@ -7,6 +7,7 @@ unchanged), so the hazard can be reproduced on any torch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -79,13 +80,23 @@ def _set(table: dict, key: object, value: object) -> None:
         table[key] = value
 
 
-@pytest.fixture(params=["op_strategy", "single_dim"])
-def prefix_strategy(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[object, object]]]:
-    """Install the pre-fix strategy in one of the propagator's tables; restore on exit.
+@dataclasses.dataclass(frozen=True)
+class PrefixInstall:
+    """Which pre-fix form is installed, and the entries it put in each table.
 
-    Yields the entries it installed, per table name, so tests can check that
-    gradsafe puts exactly these back.
+    ``op_strategy`` follows any sharded input (even [Shard, Partial]);
+    ``single_dim`` decides per mesh dimension, so a Partial dimension is
+    Replicate even next to a Shard one.
     """
+
+    kind: str
+    op_strategy: dict[object, object]
+    single_dim: dict[object, object]
+
+
+@pytest.fixture(params=["op_strategy", "single_dim"])
+def prefix_strategy(request: pytest.FixtureRequest) -> Iterator[PrefixInstall]:
+    """Install the pre-fix strategy in one of the propagator's tables; restore on exit."""
     op_table = _torch.op_strategy_table()
     single = _torch.single_dim_strategy_table()
     installed: dict[str, dict[object, object]] = {"op_strategy": {}, "single_dim": {}}
@@ -114,7 +125,7 @@ def prefix_strategy(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[o
             _set(single, op, value)  # type: ignore[arg-type]
     _torch.clear_sharding_caches()
     try:
-        yield installed
+        yield PrefixInstall(request.param, installed["op_strategy"], installed["single_dim"])
     finally:
         for op, value in saved["op_strategy"].items():
             _set(op_table, op, value)  # type: ignore[arg-type]

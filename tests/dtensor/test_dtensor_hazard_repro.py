@@ -60,8 +60,7 @@ def test_prefix_strategy_reproduces_and_gradsafe_fixes(fake_meshes, prefix_strat
         assert table_before.keys() == table_after.keys()
         for op in table_before:
             assert table_after[op] is table_before[op], op
-    expected_op = prefix_strategy["op_strategy"]
-    for op, installed in expected_op.items():
+    for op, installed in prefix_strategy.op_strategy.items():
         assert after[0][op] is installed
 
 
