@@ -140,15 +140,59 @@ def run(case: Case, mesh: DeviceMesh, base: torch.Tensor | None = None) -> Outco
     )
 
 
-def _local_of(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
-    local = full
-    coord = mesh.get_coordinate()
+def _local_of(
+    full: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    coord: list[int] | None = None,
+) -> torch.Tensor:
+    """The shard of ``full`` held at mesh coordinate ``coord`` (default: this rank's)."""
+    coord = coord if coord is not None else mesh.get_coordinate()
     assert coord is not None
+    local = full
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
-            n = mesh.size(mesh_dim)
-            local = local.chunk(n, dim=placement.dim)[coord[mesh_dim]]
+            local = local.chunk(mesh.size(mesh_dim), dim=placement.dim)[coord[mesh_dim]]
     return local.contiguous()
+
+
+def _combine(parts: list[torch.Tensor], placement: Placement) -> torch.Tensor:
+    if isinstance(placement, Shard):
+        return torch.cat(parts, dim=placement.dim)
+    if isinstance(placement, Partial):
+        stacked = torch.stack(parts)
+        reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}
+        return reduce[placement.reduce_op](stacked, dim=0)
+    return parts[0]
+
+
+def expected_global_grad(case: Case, mesh: DeviceMesh) -> torch.Tensor:
+    """The gradient a plain (non-distributed) backward gives, from every rank's local one.
+
+    Rebuilt without DTensor: per backward step, combine all ranks' local
+    gradients mesh dimension by mesh dimension (last first): Shard
+    concatenates, Partial reduces with its op; then sum the steps.
+    """
+    _, _, grad_pl = case.spec
+    full = torch.zeros(global_shape(case.layout))
+    grid = mesh.mesh
+    total = torch.zeros_like(full)
+    for step in range(2 if case.existing_grad else 1):
+        pieces: dict[tuple[int, ...], torch.Tensor] = {}
+        for coord in itertools.product(*(range(n) for n in grid.shape)):
+            rank = int(grid[coord])
+            shape = _local_of(full, mesh, grad_pl, list(coord)).shape
+            pieces[coord] = local_coeff(case, shape, rank, step)
+        for mesh_dim in reversed(range(grid.dim())):
+            grouped: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+            for coord, piece in pieces.items():
+                grouped.setdefault(coord[:mesh_dim], []).append((coord[mesh_dim], piece))
+            pieces = {
+                key: _combine([p for _, p in sorted(items, key=lambda i: i[0])], grad_pl[mesh_dim])
+                for key, items in grouped.items()
+            }
+        total += pieces[()]
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
