@@ -17,7 +17,7 @@ import torch
 import gradsafe
 from dtensor_gradcases import Case, accumulation_reference, all_cases, run
 
-pytestmark = pytest.mark.filterwarnings("ignore:Using backward\(\) with create_graph=True")
+pytestmark = pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph=True")
 
 CASES = list(all_cases())
 
