@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 from gradsafe.doctor import Outcome, patched_check
 
@@ -41,7 +42,7 @@ def _backward_repro() -> Outcome:
 
     mesh = init_device_mesh("cpu", (2,))
     weight = torch.nn.Parameter(DTensor.from_local(torch.ones(3, 4), mesh, [Replicate()]))
-    local = weight.to_local(grad_placements=[Partial()])
+    local = cast(DTensor, weight).to_local(grad_placements=[Partial()])
     with CommDebugMode() as comm:
         (local.t().contiguous() * torch.arange(12.0).reshape(4, 3)).sum().backward()
     grad = weight.grad

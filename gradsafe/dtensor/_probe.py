@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch._ops import OpOverload
@@ -67,8 +68,7 @@ def _spec(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensorSpec:
 def _propagate(op: OpOverload, args: tuple[object, ...]) -> tuple[tuple[Placement, ...], bool]:
     schema = OpSchema(op, args, {}, schema_info=_torch.schema_info(op))
     sharding = _torch.propagator().propagate_op_sharding_non_cached(schema)
-    spec = sharding.output_spec
-    assert isinstance(spec, DTensorSpec)
+    spec = cast(DTensorSpec, sharding.output_spec)  # the probed ops return one tensor
     # A redistribution only because shape arguments were localised is no communication.
     communicates = sharding.needs_redistribute and not sharding.use_val_from_redistribute_schema
     return spec.placements, communicates

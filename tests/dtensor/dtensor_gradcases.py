@@ -105,11 +105,10 @@ class Outcome:
     grad: DTensor
 
 
-def run(case: Case, mesh: DeviceMesh, base: torch.Tensor | None = None) -> Outcome:
+def run(case: Case, mesh: DeviceMesh) -> Outcome:
     """Run ``case``'s backward(s); collectives are counted in the last backward only."""
     _, param_pl, grad_pl = case.spec
-    shape = global_shape(case.layout)
-    full = base if base is not None else torch.zeros(shape)
+    full = torch.zeros(global_shape(case.layout))
     weight = torch.nn.Parameter(DTensor.from_local(_local_of(full, mesh, param_pl), mesh, param_pl))
     held: list[torch.Tensor] = []
     if case.hook_holds_ref:
