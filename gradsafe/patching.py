@@ -26,6 +26,7 @@ from typing_extensions import Self, TypeAlias
 __all__ = [
     "AttrTarget",
     "ItemTarget",
+    "MISSING",
     "Patch",
     "PatchConflictWarning",
     "PatchHandle",
@@ -80,7 +81,8 @@ class ItemTarget:
     """Key ``key`` of a mapping (e.g. a sharding-strategy table).
 
     ``mapping`` is called to find the live mapping; ``where`` names it for
-    humans. An absent key is read as :data:`MISSING` and restored by deletion.
+    humans. An absent key is read as :data:`MISSING` and restored by deletion;
+    a ``replacement`` of :data:`MISSING` removes the key while patched.
     """
 
     where: str
