@@ -123,7 +123,8 @@ def stage_backward_input(
 
     for i, tensor in inputs:
         grad = dinputs[i]
-        if grad is not None:
+        # Like a fused backward (and torch's B), leaf inputs also get `.grad`.
+        if grad is not None and tensor.is_leaf:
             if tensor.grad is None:
                 tensor.grad = grad
             else:
