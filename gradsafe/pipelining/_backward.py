@@ -84,8 +84,11 @@ def stage_backward_input(
         (None for non-tensors, inputs not requiring grad, or unused ones; it is also
         accumulated into the input's ``.grad``, as torch does), and the single-use
         hand-off W needs. No weight gradient is computed here and no parameter hook
-        runs. Non-view stage outputs are detached, as torch does, to free the part
-        of the graph W does not need.
+        runs. Unlike torch's B, the outputs are not detached in place: a node W
+        still needs may have saved an output tensor (a parameter-only output, an
+        output that is also used inside the stage), and detaching it would break
+        W. The hand-off holds only what W needs; the rest of the graph is freed
+        when the caller drops the outputs (the schedule does after W).
     """
     weight_list = list(weights)
     pairs = _output_pairs(stage_outputs_or_loss, output_grads)
@@ -134,7 +137,8 @@ def stage_backward_input(
     owners: list[Node] = []
     if needs_owner:
         # A custom Function's node is kept alive only by its C++ parents; a view
-        # of each output is a C++ node that owns the whole graph until W ends.
+        # of each output is a C++ node that owns the whole graph until W ends,
+        # even if the caller drops the outputs first.
         with torch.enable_grad():
             owners = [out.view_as(out).grad_fn for out, _ in pairs]  # type: ignore[misc]
 
@@ -150,11 +154,6 @@ def stage_backward_input(
         owners=owners,
         num_nodes=graph.num_nodes,
     )
-    for out, _ in pairs:
-        # Free the output side of the graph (what no intermediate needs). Leaves
-        # (a parameter returned as an output) and views cannot be detached in place.
-        if out.grad_fn is not None and not out._is_view():
-            out.detach_()
     return tuple(dinputs), handoff
 
 

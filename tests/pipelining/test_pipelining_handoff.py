@@ -126,13 +126,12 @@ def test_everything_held_for_w_is_released_when_w_finishes() -> None:
         grad = torch.ones(3, 4)
         grad_probe = weakref.ref(grad)
         _, handoff = stage_backward_input([out], [grad], [x], model.parameters())
-        del hidden, grad
+        del hidden, grad, out  # as the schedule does: only the hand-off keeps the graph
         assert probe() is not None, "B should keep what W needs"
         stage_backward_weight(model.parameters(), handoff)
         assert probe() is None, "an activation outlived W"
         assert grad_probe() is None, "an output gradient outlived W"
         assert "consumed" in repr(handoff)
-        del out  # detached by B: holds no graph
     finally:
         gc.enable()
 
