@@ -142,6 +142,7 @@ def fmt(v: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
+    parser.add_argument("--section", type=int, choices=(1, 2, 3), action="append", help="run only these")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -150,6 +151,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
           + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}")
 
+    sections = set(args.section or (1, 2, 3))
+    if 1 in sections:
+        section_w_shared(d, tokens, reps)
+    if 2 in sections:
+        section_b_plus_w(d, tokens, reps)
+    if 3 in sections:
+        section_analysis()
+
+
+def section_w_shared(d: int, tokens: int, reps: int) -> None:
     print("\n1. W of one bias-free Linear applied L times vs L distinct Linears (tokens x d = "
           f"{tokens} x {d})")
     print(f"{'L':>4} | {'gradsafe W shared/distinct':>27} | {'torch W shared/distinct':>24}")
@@ -161,6 +172,9 @@ def main() -> None:
             ratios.append("crash" if sh is None or di is None else f"{sh['W']:.2f}/{di['W']:.2f} = {sh['W'] / di['W']:.2f}x")
         print(f"{layers:>4} | {ratios[0]:>27} | {ratios[1]:>24}")
 
+
+
+def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
     print("\n2. B+W (ms) vs torch's own B+W and one fused backward")
     models = {
         f"12 distinct Linear (d={d})": (linear_stack(12, d, False, True), (tokens, d)),
@@ -178,6 +192,9 @@ def main() -> None:
         print(f"{label:<34} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
               f"{fmt(None if tc is None else tc['total']):>9} | {gs['total'] / fu['total']:7.2f}x | {vs_torch:>8}")
 
+
+
+def section_analysis() -> None:
     print("\n3. Graph analysis (gradsafe B's classification walk) on transformer stacks, d=16")
     print(f"{'layers':>6} | {'nodes':>6} | {'ms':>7} | {'us/node':>7}")
     for layers in (24, 96, 384):
@@ -188,7 +205,7 @@ def main() -> None:
         edges = [get_gradient_edge(out)]
         inputs = [get_gradient_edge(x).node]
         times = []
-        for _ in range(3 if layers == 384 else 5):
+        for _ in range(5):
             start = time.perf_counter()
             graph = _graph.analyze(edges, inputs, params)
             times.append(time.perf_counter() - start)

@@ -15,6 +15,7 @@ belongs to the previous stage.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Collection, Sequence
 
 from torch.autograd.graph import GradientEdge, Node
@@ -77,8 +78,19 @@ def analyze(
     param_nodes: Collection[Node],
 ) -> StageGraph:
     """Classify the graph behind ``outputs``; see the module docstring."""
-    inputs = set(input_nodes)
-    params = set(param_nodes)
+    # The walk allocates a few tuples per node but no garbage cycles; pausing
+    # the cyclic collector stops it from re-traversing the (graph-sized) heap
+    # mid-walk, which made the walk's time erratic and superlinear.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyze(outputs, set(input_nodes), set(param_nodes))
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node], params: set[Node]) -> StageGraph:
     flags: dict[Node, int] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
 
