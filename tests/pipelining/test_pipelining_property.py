@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -90,11 +90,10 @@ def _run(m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], 
     return [acts[i] if pool == "a" else weights[i] for pool, i in outputs]
 
 
-@settings(max_examples=40, deadline=None)
-@given(programs(), st.booleans())
-def test_random_dags_split_equals_fused(program: Any, as_loss: bool) -> None:
-    from conftest import check_split
-
+# split_checker is a pure function: nothing to reset between examples.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=programs(), as_loss=st.booleans())
+def test_random_dags_split_equals_fused(program: Any, as_loss: bool, split_checker: Any) -> None:
     n_inputs, requires, ops, outputs = program
 
     def make():  # type: ignore[no-untyped-def]
@@ -105,4 +104,4 @@ def test_random_dags_split_equals_fused(program: Any, as_loss: bool) -> None:
         return m, xs, lambda *xs: _run(m, ops, outputs, *xs)
 
     torch.set_default_dtype(torch.float64)
-    check_split(make, loss=as_loss)
+    split_checker(make, loss=as_loss)

@@ -279,6 +279,46 @@ def _mixed_dtype():  # type: ignore[no-untyped-def]
     return m, [x_(3, 4)], lambda x: [x @ m.w.double() @ m.w.double()]
 
 
+class NoMaterialize(torch.autograd.Function):
+    """Custom Function that sees None for unused output grads (two outputs, one weight)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w)
+        return x @ w, x * 2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, g2):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = None if g is None else g @ w.t()
+        if g2 is not None:
+            dx = g2 * 2 if dx is None else dx + g2 * 2
+        return dx, None if g is None else x.t() @ g
+
+
+def _custom_function_partial_grads():  # type: ignore[no-untyped-def]
+    m = Params(w=(4, 4))
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        y, _unused = NoMaterialize.apply(x, m.w)
+        z, doubled = NoMaterialize.apply(torch.tanh(y), m.w)
+        return [z, doubled]
+
+    return m, [x_(3, 4)], fwd
+
+
+def _same_output_twice():  # type: ignore[no-untyped-def]
+    m = nn.Linear(4, 4)
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        y = m(m(x))
+        return [y, y, m.weight]
+
+    return m, [x_(3, 4)], fwd
+
+
 CASES = [
     case("nested x@w@w", _nested(2)),
     case("nested x@w@w@w", _nested(3)),
@@ -305,6 +345,8 @@ CASES = [
     case("several inputs", _two_inputs),
     case("non-leaf stage input", _non_leaf_input),
     case("fp32 parameter in fp64 graph", _mixed_dtype),
+    case("custom Function with unmaterialized grads", _custom_function_partial_grads),
+    case("same output twice, parameter as output", _same_output_twice),
 ]
 
 
