@@ -127,11 +127,9 @@ def stage_backward_input(
     for i, tensor in inputs:
         grad = dinputs[i]
         # Like a fused backward (and torch's B), leaf inputs also get `.grad`.
+        # Out of place: the previous `.grad` may be a gradient already handed on.
         if grad is not None and tensor.is_leaf:
-            if tensor.grad is None:
-                tensor.grad = grad
-            else:
-                tensor.grad += grad
+            tensor.grad = grad if tensor.grad is None else tensor.grad + grad
 
     needs_owner = any(is_python_node(item.node) for item in graph.intermediates)
     owners: list[Node] = []
