@@ -27,6 +27,10 @@ def _missing_autograd_feature() -> str | None:
     if not hasattr(node, "_input_metadata"):
         return "autograd nodes have no _input_metadata"
     try:
+        node(torch.ones(2))  # W calls built-in nodes directly
+    except TypeError as exc:
+        return f"built-in autograd nodes cannot be called directly ({exc})"
+    try:
         torch.autograd.backward([GradientEdge(node, 0)], [torch.ones(2)], inputs=[w])
     except (TypeError, RuntimeError) as exc:
         return f"torch.autograd.backward does not take GradientEdge roots with inputs= ({exc})"

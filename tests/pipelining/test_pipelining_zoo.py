@@ -319,6 +319,17 @@ def _same_output_twice():  # type: ignore[no-untyped-def]
     return m, [x_(3, 4)], fwd
 
 
+def _checkpointed():  # type: ignore[no-untyped-def]
+    from torch.utils.checkpoint import checkpoint
+
+    m = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+
+    def block(x):  # type: ignore[no-untyped-def]
+        return m["a"](torch.tanh(m["b"](m["a"](x))))
+
+    return m, [x_(3, 4)], lambda x: [checkpoint(block, x, use_reentrant=False) @ m["a"].weight]
+
+
 CASES = [
     case("nested x@w@w", _nested(2)),
     case("nested x@w@w@w", _nested(3)),
@@ -347,6 +358,7 @@ CASES = [
     case("fp32 parameter in fp64 graph", _mixed_dtype),
     case("custom Function with unmaterialized grads", _custom_function_partial_grads),
     case("same output twice, parameter as output", _same_output_twice),
+    case("non-reentrant activation checkpoint", _checkpointed),
 ]
 
 
