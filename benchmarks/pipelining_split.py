@@ -201,7 +201,7 @@ def section_analysis() -> None:
         model, fwd = transformer(layers, 16)
         x = torch.randn(2, 4, 16, requires_grad=True)
         out = fwd(x)
-        params = [get_gradient_edge(p).node for p in model.parameters()]
+        params = list(model.parameters())
         edges = [get_gradient_edge(out)]
         inputs = [get_gradient_edge(x).node]
         times = []

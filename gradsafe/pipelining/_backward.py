@@ -97,10 +97,7 @@ def stage_backward_input(
     ]
     params = [w for w in weight_list if w.requires_grad]
     out_edges = [get_gradient_edge(out) for out, _ in pairs]
-    param_by_node = {get_gradient_edge(p).node: p for p in params}
-    graph = analyze(
-        out_edges, [get_gradient_edge(t).node for _, t in inputs], param_by_node.keys()
-    )
+    graph = analyze(out_edges, [get_gradient_edge(t).node for _, t in inputs], params)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = [
@@ -147,7 +144,7 @@ def stage_backward_input(
             if any(g is not None for g in captured.get(item.node, ()))
         ],
         output_roots=[OutputRoot(out_edges[i], pairs[i][1]) for i in graph.weight_only_outputs],
-        params=[p for node, p in param_by_node.items() if node in graph.reached_params],
+        params=list(graph.reached_params.values()),
         weight_ids=frozenset(id(w) for w in weight_list),
         owners=owners,
         num_nodes=graph.num_nodes,

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 from collections.abc import Collection, Sequence
 
+import torch
 from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze", "is_python_node"]
@@ -67,15 +68,15 @@ class StageGraph:
     weight_only_outputs: tuple[int, ...]
     # Positions of outputs from which some stage input is reachable (B's roots).
     input_side_outputs: tuple[int, ...]
-    # Parameter nodes (AccumulateGrad) reachable from the outputs.
-    reached_params: frozenset[Node]
+    # Parameters whose AccumulateGrad node is reachable from the outputs, by node.
+    reached_params: dict[Node, torch.Tensor]
     num_nodes: int
 
 
 def analyze(
     outputs: Sequence[GradientEdge],
     input_nodes: Collection[Node],
-    param_nodes: Collection[Node],
+    params: Collection[torch.Tensor],
 ) -> StageGraph:
     """Classify the graph behind ``outputs``; see the module docstring."""
     # The walk allocates a few tuples per node but no garbage cycles; pausing
@@ -84,14 +85,17 @@ def analyze(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _analyze(outputs, set(input_nodes), set(param_nodes))
+        return _analyze(outputs, set(input_nodes), {id(p): p for p in params})
     finally:
         if collecting:
             gc.enable()
 
 
-def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node], params: set[Node]) -> StageGraph:
+def _analyze(
+    outputs: Sequence[GradientEdge], inputs: set[Node], params: dict[int, torch.Tensor]
+) -> StageGraph:
     flags: dict[Node, int] = {}
+    reached: dict[Node, torch.Tensor] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
 
     for edge in outputs:
@@ -107,16 +111,22 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node], params: set[Nod
             if kids is None:
                 if node in inputs:
                     # A stage input is a boundary: never walk into the previous stage.
-                    flags[node] = _REACHES_INPUT | (_REACHES_PARAM if node in params else 0)
+                    flags[node] = _REACHES_INPUT
                     children[node] = ()
                     stack.pop()
                     continue
                 kids = children[node] = tuple(node.next_functions)
+                if not kids:
+                    # A parameter is found by its AccumulateGrad node's variable, so
+                    # parameters outside the graph never get an accumulator made.
+                    param = params.get(id(getattr(node, "variable", None)))
+                    if param is not None:
+                        reached[node] = param
                 pending = [k for k, _ in kids if k is not None and k not in flags]
                 if pending:
                     stack.extend(pending)
                     continue
-            state = _REACHES_PARAM if node in params else 0
+            state = _REACHES_PARAM if node in reached else 0
             for kid, _ in kids:
                 if kid is not None:
                     state |= flags[kid]
@@ -145,6 +155,6 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node], params: set[Nod
         intermediates=tuple(intermediates),
         weight_only_outputs=weight_only,
         input_side_outputs=input_side,
-        reached_params=frozenset(n for n in params if n in flags),
+        reached_params=reached,
         num_nodes=len(flags),
     )
