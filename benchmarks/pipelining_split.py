@@ -182,6 +182,7 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         f"1 Linear x12, bias": (linear_stack(12, d, True, True), (tokens, d)),
         f"recurrence h@w + x@u x12": (recurrence(12, d), (tokens, d)),
         f"12 transformer blocks (d={d // 2})": (transformer(12, d // 2), (4, tokens // 8, d // 2)),
+        f"12 transformer blocks (d={d})": (transformer(12, d), (4, tokens // 8, d)),
     }
     print(f"{'model':<34} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
           f"{'gs/fused':>8} | {'gs/torch':>8}")
