@@ -330,6 +330,78 @@ def _checkpointed():  # type: ignore[no-untyped-def]
     return m, [x_(3, 4)], lambda x: [checkpoint(block, x, use_reentrant=False) @ m["a"].weight]
 
 
+def _inplace_on_views():  # type: ignore[no-untyped-def]
+    m = Params(w=(2, 2))
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        h = x * 1.0
+        h[:, :2] = h[:, :2].clone() @ m.w  # CopySlices nodes between the uses of w
+        h[:, 2:] = torch.tanh(h[:, 2:].clone() @ m.w) @ m.w
+        return [h @ torch.cat([m.w, m.w], 1).t()]
+
+    return m, [x_(3, 4)], fwd
+
+
+def _conv_reused():  # type: ignore[no-untyped-def]
+    c = nn.Conv2d(3, 3, 3, padding=1)
+    return c, [x_(2, 3, 5, 5)], lambda x: [c(torch.relu(c(x)))]
+
+
+def _batchnorm_eval():  # type: ignore[no-untyped-def]
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)).eval()
+    return m, [x_(5, 4)], lambda x: [m(x), m[1](m(x))]
+
+
+def _attention_modules():  # type: ignore[no-untyped-def]
+    m = nn.ModuleDict({"mha": nn.MultiheadAttention(8, 2, batch_first=True), "qkv": nn.Linear(8, 24)})
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        q, k, v = m["qkv"](x).view(2, 4, 3, 2, 4).unbind(2)
+        sdpa = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        out, weights = m["mha"](x, x, x)
+        return [sdpa, out, weights]
+
+    return m, [x_(2, 4, 8)], fwd
+
+
+def _group_norm_reused():  # type: ignore[no-untyped-def]
+    m = nn.ModuleDict({"g": nn.GroupNorm(2, 4), "l": nn.Linear(4, 4)})
+    return m, [x_(3, 4)], lambda x: [m["g"](m["l"](m["g"](x)))]
+
+
+def _gru_cell_loop():  # type: ignore[no-untyped-def]
+    c = nn.GRUCell(4, 4)
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        h = torch.zeros(2, 4)
+        for t in range(3):
+            h = c(x[t], h)
+        return [h]
+
+    return c, [x_(3, 2, 4)], fwd
+
+
+def _embedding_bag_tied():  # type: ignore[no-untyped-def]
+    m = nn.ModuleDict({"e": nn.EmbeddingBag(10, 4, mode="mean"), "l": nn.Linear(4, 4)})
+    ids, offsets = torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 3])
+    return m, [x_(2, 4)], lambda x: [m["l"](x * m["e"](ids, offsets)) @ m["e"].weight.t()]
+
+
+def _indexing_ops():  # type: ignore[no-untyped-def]
+    m = Params(w=(4, 4), v=(4,))
+
+    def fwd(x):  # type: ignore[no-untyped-def]
+        s = torch.stack([x, x @ m.w, m.w[:3]])
+        e = torch.einsum("bij,jk->bik", s, m.w)
+        rows = torch.tensor([0, 2])
+        y = e[1].index_put((rows,), m.v.expand(2, 4) * e[2][rows])
+        return [torch.where(y > 0, y, m.v) @ m.w, (e**2).sum(0), m.w.clone()]
+
+    return m, [x_(3, 4)], fwd
+
+
 CASES = [
     case("nested x@w@w", _nested(2)),
     case("nested x@w@w@w", _nested(3)),
@@ -359,6 +431,14 @@ CASES = [
     case("custom Function with unmaterialized grads", _custom_function_partial_grads),
     case("same output twice, parameter as output", _same_output_twice),
     case("non-reentrant activation checkpoint", _checkpointed),
+    case("in-place writes into views", _inplace_on_views),
+    case("Conv2d with bias reused", _conv_reused),
+    case("BatchNorm (eval) applied twice", _batchnorm_eval),
+    case("SDPA and MultiheadAttention with weights output", _attention_modules),
+    case("GroupNorm reused", _group_norm_reused),
+    case("GRUCell loop", _gru_cell_loop),
+    case("EmbeddingBag tied to a head", _embedding_bag_tied),
+    case("stack, einsum, index_put, where", _indexing_ops),
 ]
 
 
