@@ -55,8 +55,8 @@ class WeightGradHandoff:
     ``backward_state``: the schedule stores it after B and passes it back to W.
     It is single-use: W consumes it (state ``CONSUMED``) and drops every node,
     gradient and tensor it held, so the microbatch's graph can be freed. Using it
-    again, or with another stage's parameters, raises :class:`SplitBackwardError`
-    without touching any gradient.
+    again, or with parameters that lack some of B's (another stage's), raises
+    :class:`SplitBackwardError` without touching any gradient.
     """
 
     def __init__(
@@ -110,12 +110,12 @@ class WeightGradHandoff:
                 "any more. Redo the microbatch's forward and backward."
             )
         given = {id(w) for w in weights}
-        if given != self._weight_ids:
+        if not self._weight_ids <= given:
             raise SplitBackwardError(
                 "stage_backward_weight got a hand-off made by stage_backward_input for another "
-                f"set of parameters ({len(self._weight_ids)} in B, {len(given)} now, "
-                f"{len(given & self._weight_ids)} in common): pass the hand-off back to the "
-                "stage whose backward made it, with the same parameters."
+                f"set of parameters ({len(self._weight_ids)} given to B, "
+                f"{len(self._weight_ids - given)} of them missing now): pass the hand-off back "
+                "to the stage whose backward made it, with (at least) the same parameters."
             )
 
     def _finish(self, state: HandoffState, failure: str | None = None) -> None:
