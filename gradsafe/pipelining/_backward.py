@@ -187,7 +187,7 @@ def stage_backward_weight(
     fused backward. The hand-off is consumed and everything it held released.
 
     Args:
-        weights: the same parameters that were given to B.
+        weights: the parameters given to B (more are fine; missing ones are an error).
         param_groups: the hand-off B returned (named as in torch's signature).
         retain_graph: keep the saved tensors of the weight-only part of the graph
             (only needed if that part is shared with a later backward).
