@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-ACT_OPS = ("matmul", "linear", "tanh_mul", "add", "split_swap", "chunk_mix", "bias_add", "matmul_derived")
+ACT_OPS = (
+    "matmul", "linear", "tanh_mul", "add", "split_swap", "chunk_mix", "bias_add", "matmul_derived", "lstm",
+)
 WEIGHT_OPS = ("tanh", "matmul", "transpose_scale")
 
 
@@ -52,6 +54,7 @@ class Shared(nn.Module):
         self.w1 = nn.Parameter(torch.randn(4, 4) * 0.5)
         self.b = nn.Parameter(torch.randn(4) * 0.5)
         self.lin = nn.Linear(4, 4)
+        self.lstm = nn.LSTM(4, 4)
 
 
 def _run(m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -83,6 +86,9 @@ def _run(m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], 
         elif kind == "chunk_mix":
             top, bottom = p.chunk(2, dim=0)
             acts.append(torch.cat([x[:, :2] @ top, x[:, 2:] @ bottom], dim=1)[:, :4] + y)
+        elif kind == "lstm":  # multi-output: out, h_n and c_n all used
+            out, (h, c) = m.lstm(x.unsqueeze(1), (y[:1].unsqueeze(0), torch.zeros(1, 1, 4)))
+            acts.append(out.squeeze(1) + h[0] * c[0])
         elif kind == "bias_add":
             acts.append(x * torch.sigmoid(m.b) + p.sum(0))
         else:
