@@ -1,0 +1,218 @@
+"""Split backward (B/W) cost: gradsafe vs torch's own vs one fused backward, side by side.
+
+Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick]
+Prints the torch version and machine, then times (ms) and ratios measured in
+this one process, interleaving the implementations in every repetition. The
+time reported is the minimum over repetitions (the machine this was written on
+is shared; the minimum is the least disturbed run), on one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import _backward as torch_split
+
+from gradsafe.pipelining import _graph, stage_backward_input, stage_backward_weight
+from torch.autograd.graph import get_gradient_edge
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        split = lambda z: z.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        att = (split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // self.heads)).softmax(-1)
+        x = x + self.proj((att @ split(v)).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def linear_stack(layers: int, d: int, shared: bool, bias: bool) -> tuple[nn.Module, Forward]:
+    if shared:
+        one = nn.Linear(d, d, bias=bias)
+
+        def fwd(x: torch.Tensor) -> torch.Tensor:
+            for _ in range(layers):
+                x = torch.tanh(one(x))
+            return x
+
+        return one, fwd
+    stack = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(d, d, bias=bias), nn.Tanh())))
+    return stack, stack
+
+
+def recurrence(steps: int, d: int) -> tuple[nn.Module, Forward]:
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(d, d) / math.sqrt(d))
+    m.u = nn.Parameter(torch.randn(d, d) / math.sqrt(d))
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x)
+        for _ in range(steps):
+            h = torch.tanh(h @ m.w + x @ m.u)  # x @ w points straight at w's AccumulateGrad
+        return h
+
+    return m, fwd
+
+
+def transformer(layers: int, d: int) -> tuple[nn.Module, Forward]:
+    stack = nn.Sequential(*(Block(d) for _ in range(layers)))
+    return stack, stack
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Impl:
+    def __init__(self, name: str, b: Any, w: Any) -> None:
+        self.name, self.b, self.w = name, b, w
+
+    def run(self, model: nn.Module, fwd: Forward, x: torch.Tensor) -> tuple[float, float]:
+        out = fwd(x)
+        g = torch.ones_like(out)
+        if self.b is None:  # fused
+            return _time(lambda: torch.autograd.backward([out], [g])), 0.0
+        box: dict[str, Any] = {}
+        tb = _time(lambda: box.setdefault("h", self.b([out], [g], [x], model.parameters())[1]))
+        tw = _time(lambda: self.w(model.parameters(), box["h"]))
+        return tb, tw
+
+
+IMPLS = {
+    "fused": Impl("fused", None, None),
+    "gradsafe": Impl("gradsafe", stage_backward_input, stage_backward_weight),
+    "torch": Impl("torch", torch_split.stage_backward_input, torch_split.stage_backward_weight),
+}
+
+
+def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in IMPLS}
+    crashed: dict[str, str] = {}
+    for rep in range(reps + 2):
+        for name, impl in IMPLS.items():
+            if name in crashed:
+                continue
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(*x_shape, requires_grad=True)
+            try:
+                tb, tw = impl.run(model, fwd, x)
+            except RuntimeError as exc:
+                crashed[name] = str(exc).strip().splitlines()[-1][:60]
+                continue
+            if rep >= 2:  # warm-up
+                samples[name].append((tb, tw))
+    result: dict[str, Any] = {}
+    for name, s in samples.items():
+        if name in crashed:
+            result[name] = None
+            continue
+        b = min(t[0] for t in s) * 1e3
+        w = min(t[1] for t in s) * 1e3
+        tot = min(t[0] + t[1] for t in s) * 1e3
+        result[name] = {"B": b, "W": w, "total": tot}
+    result["crashed"] = crashed
+    return result
+
+
+def fmt(v: float | None) -> str:
+    return "  crash" if v is None else f"{v:7.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
+    parser.add_argument("--section", type=int, choices=(1, 2, 3), action="append", help="run only these")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    reps = 5 if args.quick else 15
+    d, tokens = (128, 256) if args.quick else (256, 1024)
+    print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
+          + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}")
+
+    sections = set(args.section or (1, 2, 3))
+    if 1 in sections:
+        section_w_shared(d, tokens, reps)
+    if 2 in sections:
+        section_b_plus_w(d, tokens, reps)
+    if 3 in sections:
+        section_analysis()
+
+
+def section_w_shared(d: int, tokens: int, reps: int) -> None:
+    print("\n1. W of one bias-free Linear applied L times vs L distinct Linears (tokens x d = "
+          f"{tokens} x {d})")
+    print(f"{'L':>4} | {'gradsafe W shared/distinct':>27} | {'torch W shared/distinct':>24}")
+    for layers in (4, 12):
+        res = {s: measure(*linear_stack(layers, d, s, False), (tokens, d), reps) for s in (True, False)}
+        ratios = []
+        for name in ("gradsafe", "torch"):
+            sh, di = res[True][name], res[False][name]
+            ratios.append("crash" if sh is None or di is None else f"{sh['W']:.2f}/{di['W']:.2f} = {sh['W'] / di['W']:.2f}x")
+        print(f"{layers:>4} | {ratios[0]:>27} | {ratios[1]:>24}")
+
+
+
+def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
+    print("\n2. B+W (ms) vs torch's own B+W and one fused backward")
+    models = {
+        f"12 distinct Linear (d={d})": (linear_stack(12, d, False, True), (tokens, d)),
+        f"1 Linear x12, no bias": (linear_stack(12, d, True, False), (tokens, d)),
+        f"1 Linear x12, bias": (linear_stack(12, d, True, True), (tokens, d)),
+        f"recurrence h@w + x@u x12": (recurrence(12, d), (tokens, d)),
+        f"12 transformer blocks (d={d // 2})": (transformer(12, d // 2), (4, tokens // 8, d // 2)),
+        f"12 transformer blocks (d={d})": (transformer(12, d), (4, tokens // 8, d)),
+    }
+    print(f"{'model':<34} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
+          f"{'gs/fused':>8} | {'gs/torch':>8}")
+    for label, ((model, fwd), shape) in models.items():
+        r = measure(model, fwd, shape, reps)
+        gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
+        vs_torch = "torch crashes" if tc is None else f"{gs['total'] / tc['total']:.2f}x"
+        print(f"{label:<34} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
+              f"{fmt(None if tc is None else tc['total']):>9} | {gs['total'] / fu['total']:7.2f}x | {vs_torch:>8}")
+
+
+
+def section_analysis() -> None:
+    print("\n3. Graph analysis (gradsafe B's classification walk) on transformer stacks, d=16")
+    print(f"{'layers':>6} | {'nodes':>6} | {'ms':>7} | {'us/node':>7}")
+    for layers in (24, 96, 384):
+        model, fwd = transformer(layers, 16)
+        x = torch.randn(2, 4, 16, requires_grad=True)
+        out = fwd(x)
+        params = list(model.parameters())
+        edges = [get_gradient_edge(out)]
+        inputs = [get_gradient_edge(x).node]
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            graph = _graph.analyze(edges, inputs, params)
+            times.append(time.perf_counter() - start)
+        t = min(times) * 1e3
+        print(f"{layers:>6} | {graph.num_nodes:>6} | {t:7.2f} | {t * 1e3 / graph.num_nodes:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
