@@ -105,7 +105,8 @@ class Report:
     def __str__(self) -> str:
         header = ("hazard", "torch", "upstream", "with gradsafe")
         body = [
-            (r.hazard, self.torch_version, r.upstream.label, r.gradsafe.label) for r in self.rows
+            (r.hazard, self.torch_version, _cell(r.upstream.label), _cell(r.gradsafe.label))
+            for r in self.rows
         ]
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(4)]
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)
@@ -114,6 +115,14 @@ class Report:
         verdict = "gradsafe removes every hazard above" if self.ok else "NOT OK: see WRONG/n/a rows"
         lines += ["", f"{verdict} (torch {self.torch_version}, {self.machine})"]
         return "\n".join(lines)
+
+
+# Keeps the table readable in a terminal; `--json` carries the full details.
+_CELL_WIDTH: Final = 64
+
+
+def _cell(text: str) -> str:
+    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 3] + "..."
 
 
 # One module per capability, in the order the table shows them.

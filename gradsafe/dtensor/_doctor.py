@@ -77,6 +77,6 @@ def _repro() -> Outcome:
 
 CHECKS = (
     patched_check(
-        "DTensor Partial grad all-reduced by layout fix-up", "dtensor", "dtensor", _repro
+        "H2 DTensor Partial grad all-reduced by layout fix-up", "dtensor", "dtensor", _repro
     ),
 )

@@ -122,11 +122,11 @@ def stage_backward_input(
             handle.remove()
 
     for i, tensor in inputs:
-        grad = dinputs[i]
+        dinput = dinputs[i]
         # Like a fused backward (and torch's B), leaf inputs also get `.grad`.
         # Out of place: the previous `.grad` may be a gradient already handed on.
-        if grad is not None and tensor.is_leaf:
-            tensor.grad = grad if tensor.grad is None else tensor.grad + grad
+        if dinput is not None and tensor.is_leaf:
+            tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
 
     needs_owner = any(is_python_node(item.node) for item in graph.intermediates)
     owners: list[Node] = []

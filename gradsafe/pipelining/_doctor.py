@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ def _split(
 
 
 def _compare(
-    build: Callable[[], nn.Module], forward: Callable[[nn.Module, torch.Tensor], Sequence[torch.Tensor]]
+    build: Callable[[], nn.Module], forward: Callable[[Any, torch.Tensor], Sequence[torch.Tensor]]
 ) -> Outcome:
     torch.manual_seed(0)
     module = build().double()
@@ -101,9 +102,9 @@ def _hooks() -> Outcome:
 CHECKS: tuple[Check, ...] = tuple(
     patched_check(hazard, "pipelining", "pipelining", repro)
     for hazard, repro in (
-        ("nested shared weight", _nested),
-        ("parameter-only output", _param_only),
-        ("overlapping groups", _overlapping),
-        ("hooks in W", _hooks),
+        ("H1 nested shared weight", _nested),
+        ("H1 parameter-only output", _param_only),
+        ("H1 overlapping groups", _overlapping),
+        ("H1 hooks in W", _hooks),
     )
 )

@@ -24,10 +24,11 @@ def _missing_autograd_feature() -> str | None:
     x = torch.ones(2, requires_grad=True)
     w = torch.ones(2, requires_grad=True)
     node = (x * w).grad_fn
+    assert node is not None
     if not hasattr(node, "_input_metadata"):
         return "autograd nodes have no _input_metadata"
     try:
-        node(torch.ones(2))  # W calls built-in nodes directly
+        node(torch.ones(2))  # type: ignore[operator]  # W calls built-in nodes directly
     except TypeError as exc:
         return f"built-in autograd nodes cannot be called directly ({exc})"
     try:

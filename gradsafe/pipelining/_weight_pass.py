@@ -69,7 +69,7 @@ def _direct_calls(captured: Sequence[CapturedIntermediate], sums: dict[EdgeKey, 
     def work() -> None:
         try:
             for item in captured:
-                outputs = item.intermediate.node(*item.grads)
+                outputs = item.intermediate.node(*item.grads)  # type: ignore[operator]
                 for edge in item.intermediate.weight_edges:
                     _add(sums, edge, outputs[edge.output_index])
         except BaseException as exc:  # re-raised outside the engine, type intact
@@ -87,7 +87,7 @@ def _direct_calls(captured: Sequence[CapturedIntermediate], sums: dict[EdgeKey, 
     # in it, so the direct calls skip the outputs that go there.
     torch.autograd.grad(
         scope,
-        [anchor, *(GradientEdge(node, nr) for node, nr in wanted)],
+        [anchor, *(GradientEdge(node, nr) for node, nr in wanted)],  # type: ignore[arg-type]
         allow_unused=True,
     )
     if failure:

@@ -119,4 +119,4 @@ def _with_gradsafe() -> Outcome:
     return _six(gradsafe=True)
 
 
-CHECKS = (Check("wgrad policy", "wgrad", _upstream, _with_gradsafe),)
+CHECKS = (Check("H4 wgrad policy", "wgrad", _upstream, _with_gradsafe),)

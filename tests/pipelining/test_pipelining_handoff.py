@@ -218,10 +218,15 @@ def test_doctor_rows_right_with_gradsafe() -> None:
 
     report = doctor.run(["pipelining"])
     hazards = {row.hazard: row for row in report.rows}
-    assert set(hazards) == {"nested shared weight", "parameter-only output", "overlapping groups", "hooks in W"}
+    assert set(hazards) == {
+        "H1 nested shared weight",
+        "H1 parameter-only output",
+        "H1 overlapping groups",
+        "H1 hooks in W",
+    }
     assert all(row.gradsafe.correct is True for row in report.rows), str(report)
     # Every installed torch we support gets these wrong on its own.
-    for name in ("parameter-only output", "overlapping groups", "hooks in W"):
+    for name in ("H1 parameter-only output", "H1 overlapping groups", "H1 hooks in W"):
         assert hazards[name].upstream.correct is False, str(report)
 
 
