@@ -116,3 +116,25 @@ def test_cli_status_lists_every_patch() -> None:
     )
     for name in patching.patch_names():
         assert proc.stdout.count(f"{name}:") >= 1
+
+
+def test_runs_without_numpy() -> None:
+    """numpy is not a dependency of torch or gradsafe: patching and the doctor must not need it."""
+    code = (
+        "import sys, json\n"
+        "sys.modules['numpy'] = None  # makes `import numpy` fail\n"
+        "import gradsafe\n"
+        "with gradsafe.patch():\n"
+        "    pass\n"
+        "from gradsafe import doctor\n"
+        "report = doctor.run()\n"
+        "print(json.dumps(report.as_json()))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout.splitlines()[-1])["rows"]
+    crashed = [r["hazard"] for r in rows if "No module named 'numpy'" in r["gradsafe"]["detail"]]
+    assert not crashed
+    assert all(r["gradsafe"]["correct"] for r in rows), rows

@@ -16,7 +16,6 @@ from collections.abc import MutableMapping
 from typing import Final, Hashable
 
 import torch
-import torch.distributed.tensor.debug as dtensor_debug
 from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
@@ -80,12 +79,10 @@ def clear_sharding_caches() -> None:
     """Forget memoised sharding decisions so that a changed strategy takes effect.
 
     Clears the calling thread's Python LRU cache and native fast-path cache.
+    Does what ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
+    does without importing that package, which needs numpy (not a torch
+    dependency).
     """
-    clear_all = getattr(dtensor_debug, "_clear_sharding_prop_cache", None)
-    if clear_all is not None:
-        clear_all()
-        return
-    # Torch without the combined helper: clear the two caches one by one.
     propagator().propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:
