@@ -31,6 +31,7 @@ __all__ = [
     "PatchConflictWarning",
     "PatchHandle",
     "PatchState",
+    "Patcher",
     "Skip",
     "Status",
     "Target",
@@ -191,15 +192,95 @@ class _Applied:
     original: object
 
 
-@dataclasses.dataclass
-class _Entry:
-    """Registry bookkeeping for one patch name (guarded by ``_LOCK``)."""
+class Patcher:
+    """Reference-counted application of one :class:`Patch`.
 
-    patch: Patch
-    refcount: int = 0
-    applied: list[_Applied] = dataclasses.field(default_factory=list)
-    skipped: str | None = None
-    conflicts: list[str] = dataclasses.field(default_factory=list)
+    The first :meth:`acquire` applies the patch (all slots or none), the last
+    :meth:`release` restores the exact originals. The registry keeps one per
+    patch name; other reversible replacements (such as
+    :func:`gradsafe.testing.emulate_cuda_graphs`) keep their own. Guarded by
+    the module's one lock, so it is thread-safe.
+    """
+
+    def __init__(self, patch: Patch) -> None:
+        self.patch = patch
+        self.refcount = 0
+        self.skipped: str | None = None
+        self.conflicts: list[str] = []
+        self._applied: list[_Applied] = []
+
+    def acquire(self) -> bool:
+        """Take a reference, applying the patch if it is the first; False if the patch was skipped."""
+        with _LOCK:
+            if self.refcount == 0:
+                self._apply()
+                if self.skipped is not None:
+                    return False
+            self.refcount += 1
+            return True
+
+    def release(self) -> None:
+        """Give back a reference; the last one restores the originals."""
+        with _LOCK:
+            self.refcount -= 1
+            if self.refcount == 0:
+                self._restore()
+
+    @property
+    def applied(self) -> tuple[_Applied, ...]:
+        return tuple(self._applied)
+
+    def plan(self) -> Sequence[Target] | Skip:
+        """The patch's plan, with slots the installed torch lacks turned into a skip."""
+        try:
+            plan = self.patch.plan()
+        except (ImportError, AttributeError) as exc:
+            return Skip(f"the installed torch lacks what this patch replaces ({exc})")
+        if isinstance(plan, Skip):
+            return plan
+        for target in plan:
+            try:
+                target.read()
+            except (ImportError, AttributeError) as exc:
+                return Skip(f"the installed torch has no {target.where} ({exc})")
+        return plan
+
+    def _apply(self) -> None:
+        plan = self.plan()
+        if isinstance(plan, Skip):
+            self.skipped = plan.reason
+            return
+        self.skipped = None
+        self.conflicts.clear()
+        done: list[_Applied] = []
+        try:
+            for target in plan:
+                original = target.read()
+                target.write(target.replacement)
+                done.append(_Applied(target, original))
+        except BaseException:
+            for record in reversed(done):
+                record.target.write(record.original)
+            raise
+        self._applied = done
+        self.patch.after_change()
+
+    def _restore(self) -> None:
+        for record in reversed(self._applied):
+            current = record.target.read()
+            if current is record.target.replacement:
+                record.target.write(record.original)
+                continue
+            message = (
+                f"gradsafe patch {self.patch.name!r}: {record.target.where} was replaced by "
+                f"{current!r} while gradsafe held it; leaving that in place instead of "
+                f"restoring {record.original!r}. Unpatch gradsafe before patching that slot "
+                f"yourself, or patch it after gradsafe is released."
+            )
+            self.conflicts.append(message)
+            warnings.warn(message, PatchConflictWarning, stacklevel=5)
+        self._applied = []
+        self.patch.after_change()
 
 
 # Each capability lists its patch in one module; imported on first use so
@@ -211,7 +292,7 @@ _CAPABILITY_MODULES: Final = {
 }
 
 _LOCK = threading.RLock()
-_ENTRIES: dict[str, _Entry] = {}
+_ENTRIES: dict[str, Patcher] = {}
 
 
 def patch_names() -> tuple[str, ...]:
@@ -219,7 +300,7 @@ def patch_names() -> tuple[str, ...]:
     return tuple(_CAPABILITY_MODULES)
 
 
-def _entry(name: str) -> _Entry:
+def _entry(name: str) -> Patcher:
     if name not in _CAPABILITY_MODULES:
         raise ValueError(
             f"unknown gradsafe patch {name!r}; valid names: {', '.join(_CAPABILITY_MODULES)}"
@@ -227,7 +308,7 @@ def _entry(name: str) -> _Entry:
     entry = _ENTRIES.get(name)
     if entry is None:
         declared: Patch = importlib.import_module(_CAPABILITY_MODULES[name]).PATCH
-        entry = _ENTRIES[name] = _Entry(declared)
+        entry = _ENTRIES[name] = Patcher(declared)
     return entry
 
 
@@ -236,60 +317,6 @@ def _resolve(names: Sequence[str]) -> list[str]:
     for name in chosen:
         _entry(name)  # validates every name before anything is applied
     return list(dict.fromkeys(chosen))
-
-
-def _plan(entry: _Entry) -> Sequence[Target] | Skip:
-    try:
-        plan = entry.patch.plan()
-    except (ImportError, AttributeError) as exc:
-        return Skip(f"the installed torch lacks what this patch replaces ({exc})")
-    if isinstance(plan, Skip):
-        return plan
-    for target in plan:
-        try:
-            target.read()
-        except (ImportError, AttributeError) as exc:
-            return Skip(f"the installed torch has no {target.where} ({exc})")
-    return plan
-
-
-def _apply(entry: _Entry) -> None:
-    plan = _plan(entry)
-    if isinstance(plan, Skip):
-        entry.skipped = plan.reason
-        return
-    entry.skipped = None
-    entry.conflicts.clear()
-    done: list[_Applied] = []
-    try:
-        for target in plan:
-            original = target.read()
-            target.write(target.replacement)
-            done.append(_Applied(target, original))
-    except BaseException:
-        for record in reversed(done):
-            record.target.write(record.original)
-        raise
-    entry.applied = done
-    entry.patch.after_change()
-
-
-def _restore(entry: _Entry) -> None:
-    for record in reversed(entry.applied):
-        current = record.target.read()
-        if current is record.target.replacement:
-            record.target.write(record.original)
-            continue
-        message = (
-            f"gradsafe patch {entry.patch.name!r}: {record.target.where} was replaced by "
-            f"{current!r} while gradsafe held it; leaving that in place instead of "
-            f"restoring {record.original!r}. Unpatch gradsafe before patching that slot "
-            f"yourself, or patch it after gradsafe is released."
-        )
-        entry.conflicts.append(message)
-        warnings.warn(message, PatchConflictWarning, stacklevel=4)
-    entry.applied = []
-    entry.patch.after_change()
 
 
 class PatchHandle:
@@ -313,7 +340,7 @@ class PatchHandle:
             for name in list(names or self._held):
                 if name in self._held:
                     self._held.remove(name)
-                    _decref(name)
+                    _ENTRIES[name].release()
             if not self._held and self in _HANDLES:
                 _HANDLES.remove(self)
 
@@ -336,13 +363,6 @@ class PatchHandle:
 _HANDLES: list[PatchHandle] = []
 
 
-def _decref(name: str) -> None:
-    entry = _ENTRIES[name]
-    entry.refcount -= 1
-    if entry.refcount == 0:
-        _restore(entry)
-
-
 def patch(*names: str) -> PatchHandle:
     """Apply the named patches now (none named: every patch) and return a handle.
 
@@ -359,13 +379,8 @@ def patch(*names: str) -> PatchHandle:
         held: list[str] = []
         try:
             for name in _resolve(names):
-                entry = _ENTRIES[name]
-                if entry.refcount == 0:
-                    _apply(entry)
-                    if entry.skipped is not None:
-                        continue
-                entry.refcount += 1
-                held.append(name)
+                if _ENTRIES[name].acquire():
+                    held.append(name)
         except BaseException:
             PatchHandle(held).release()
             raise
@@ -403,7 +418,7 @@ def status() -> Status:
             if entry.applied:
                 targets = tuple(_observe(r.target) for r in entry.applied)
             else:
-                plan = _plan(entry)
+                plan = entry.plan()
                 if isinstance(plan, Skip):
                     skipped, targets = plan.reason, ()
                 else:

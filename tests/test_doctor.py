@@ -75,7 +75,7 @@ def test_patched_check_runs_upstream_then_patched(monkeypatch: pytest.MonkeyPatc
     fixed = Patch("alpha", "fix", lambda: [AttrTarget("fake_target", "value", lambda: "fixed")])
     noop = Patch("beta", "no-op", lambda: Skip("verified: upstream already right"))
     monkeypatch.setattr(patching, "_CAPABILITY_MODULES", {"alpha": "", "beta": ""})
-    monkeypatch.setattr(patching, "_ENTRIES", {p.name: patching._Entry(p) for p in (fixed, noop)})
+    monkeypatch.setattr(patching, "_ENTRIES", {p.name: patching.Patcher(p) for p in (fixed, noop)})
     monkeypatch.setattr(patching, "_HANDLES", [])
 
     def repro() -> Outcome:

@@ -77,7 +77,7 @@ def fake_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setattr(
         patching,
         "_ENTRIES",
-        {p.name: patching._Entry(p) for p in (alpha, beta, gamma, delta)},
+        {p.name: patching.Patcher(p) for p in (alpha, beta, gamma, delta)},
     )
     monkeypatch.setattr(patching, "_HANDLES", [])
     mod.calls = calls  # type: ignore[attr-defined]
@@ -224,7 +224,7 @@ def test_failed_apply_rolls_back(fake_torch: types.ModuleType, monkeypatch: pyte
             ItemTarget("frozen", lambda: frozen, "present", "ours"),
         ],
     )
-    monkeypatch.setitem(patching._ENTRIES, "alpha", patching._Entry(bad))
+    monkeypatch.setitem(patching._ENTRIES, "alpha", patching.Patcher(bad))
     with pytest.raises(TypeError, match="read-only"):
         gradsafe.patch("alpha")
     assert fake_torch.fn_a is _original_a

@@ -8,13 +8,9 @@ program order; synchronisation is therefore trivially satisfied.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import itertools
 import threading
 import time
-import types
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -22,6 +18,7 @@ from typing import Final
 
 import torch
 
+from gradsafe.patching import AttrTarget, Patch, Patcher
 from gradsafe.testing._graph_recorder import GraphRecording, RecordingMode
 
 __all__ = [
@@ -268,43 +265,15 @@ _SLOTS: Final = (
     ("torch.cuda.graphs", "is_current_stream_capturing", _is_current_stream_capturing),
 )
 
-
-@dataclasses.dataclass
-class _Installed:
-    """The originals put aside by the outermost active ``emulate_cuda_graphs``."""
-
-    depth: int = 0
-    originals: list[tuple[types.ModuleType, str, object]] = dataclasses.field(default_factory=list)
-
-
-_LOCK = threading.Lock()
-_INSTALLED = _Installed()
-
-
-def _install() -> None:
-    try:
-        for module_name, attr, stand_in in _SLOTS:
-            module = importlib.import_module(module_name)
-            _INSTALLED.originals.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, stand_in)
-    except BaseException:
-        _restore()
-        raise
-
-
-def _restore() -> None:
-    stand_ins = {(m, a): s for m, a, s in _SLOTS}
-    for module, attr, original in reversed(_INSTALLED.originals):
-        name = getattr(module, "__name__", "?")
-        if getattr(module, attr) is not stand_ins[(name, attr)]:
-            warnings.warn(
-                f"emulate_cuda_graphs: {name}.{attr} was replaced while the emulation was "
-                "active; restoring torch's original over it",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        setattr(module, attr, original)
-    _INSTALLED.originals.clear()
+# The same reference-counted, exact-object undo as gradsafe.patch(), but not
+# one of its names: emulation is for tests, never part of patch().
+_EMULATION: Final = Patcher(
+    Patch(
+        name="emulate_cuda_graphs",
+        summary="CPU stand-ins for torch.cuda's graph, stream and pool API",
+        plan=lambda: [AttrTarget(module, attr, stand_in) for module, attr, stand_in in _SLOTS],
+    )
+)
 
 
 @contextmanager
@@ -346,14 +315,12 @@ def emulate_cuda_graphs() -> Iterator[None]:
             graphed = torch.cuda.make_graphed_callables(model, (torch.randn(8, 16),))
             graphed(x).sum().backward()
     """
-    with _LOCK:
-        if _INSTALLED.depth == 0:
-            _install()
-        _INSTALLED.depth += 1
+    if not _EMULATION.acquire():
+        raise RuntimeError(
+            f"emulate_cuda_graphs cannot run on torch {torch.__version__}: {_EMULATION.skipped}. "
+            "Emulate on a torch with the CUDA-graph API in torch.cuda.graphs (2.10 or newer)."
+        )
     try:
         yield
     finally:
-        with _LOCK:
-            _INSTALLED.depth -= 1
-            if _INSTALLED.depth == 0:
-                _restore()
+        _EMULATION.release()
