@@ -345,6 +345,10 @@ class PatchHandle:
                 _HANDLES.remove(self)
 
     def __enter__(self) -> Self:
+        # The with block owns these references now: unpatch() must not take them.
+        with _LOCK:
+            if self in _HANDLES:
+                _HANDLES.remove(self)
         return self
 
     def __exit__(
@@ -359,7 +363,8 @@ class PatchHandle:
         return f"PatchHandle(names={self.names!r})"
 
 
-# Handles from bare patch() calls, newest last, for unpatch() to release.
+# Handles from bare patch() calls (not entered as context managers), newest
+# last, for unpatch() to release.
 _HANDLES: list[PatchHandle] = []
 
 
@@ -391,11 +396,13 @@ def patch(*names: str) -> PatchHandle:
 
 
 def unpatch(*names: str) -> None:
-    """Undo one earlier :func:`patch` per name (none named: every active patch).
+    """Undo one earlier bare :func:`patch` call per name (none named: every name).
 
-    The reference given back is the newest one still held for that name; a
-    patch stays installed while other holders (e.g. an enclosing ``with``
-    block) keep theirs.
+    The reference given back is the newest one a bare ``patch()`` call (one
+    not used as a context manager) still holds for that name; a name no bare
+    call holds is left alone. References held by ``with`` blocks are released
+    only by leaving the block, so a patch stays installed while an enclosing
+    ``with gradsafe.patch()`` is active.
 
     Raises:
         ValueError: a name is not one of :func:`patch_names`.

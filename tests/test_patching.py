@@ -140,6 +140,14 @@ def test_unpatch_releases_one_reference_and_keeps_enclosing_with(
     assert fake_torch.fn_a is _original_a
 
 
+def test_unpatch_never_takes_a_with_blocks_reference(fake_torch: types.ModuleType) -> None:
+    with gradsafe.patch("alpha"):
+        gradsafe.unpatch("alpha")  # no bare patch() holds alpha: nothing to undo
+        gradsafe.unpatch()
+        assert fake_torch.fn_a is _ours_a
+    assert fake_torch.fn_a is _original_a
+
+
 def test_patch_all_then_unpatch_all(fake_torch: types.ModuleType) -> None:
     gradsafe.patch()
     assert fake_torch.fn_a is _ours_a and TABLE["present"] == "ours"
