@@ -43,12 +43,18 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """One hazard's reproduction, run against upstream and with gradsafe."""
+    """One hazard's reproduction, run against upstream and with gradsafe.
+
+    ``upstream_source`` says what the upstream column ran: the installed torch
+    (the default), or a model of another library's behaviour when that library
+    is not what is being measured (e.g. TransformerEngine's wgrad policy).
+    """
 
     hazard: str
     capability: str
     upstream: Callable[[], Outcome]
     gradsafe: Callable[[], Outcome]
+    upstream_source: str = "installed torch"
 
 
 def patched_check(
