@@ -14,6 +14,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
+import torch.utils._pytree
+
 from gradsafe import patching
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs._structure import UnsupportedTorchError, find_graphed_site
@@ -77,11 +80,20 @@ def make_graphed_callables(
     if ownership == "never":
         return graphed
     returned = graphed if isinstance(graphed, tuple) else (graphed,)
+    sample_args_per_callable = sample_args if isinstance(graphed, tuple) else (sample_args,)
     # Probe every callable before changing any, so a failure leaves none half-made.
-    sites = [find_graphed_site(c) for c in returned]
+    sites = [
+        find_graphed_site(c, _num_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
+    ]
     for site in sites:
         site.install(owning_graphed(site.graphed_cls, ownership))
     return graphed
+
+
+def _num_inputs(callable_: Any, sample_args: Any) -> int:
+    """How many tensors upstream's graphed Function takes: flattened sample args, then module parameters."""
+    params = len(tuple(callable_.parameters())) if isinstance(callable_, torch.nn.Module) else 0
+    return len(torch.utils._pytree.arg_tree_leaves(*sample_args)) + params
 
 
 def _signature() -> inspect.Signature:

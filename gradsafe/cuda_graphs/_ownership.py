@@ -27,13 +27,13 @@ visible to Python; ``"always"`` covers them.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal
 
 import torch
 from typing_extensions import TypeAlias
 
 from gradsafe.cuda_graphs._structure import (
-    UnsupportedTorchError,
     function_class_of,
     has_tensor_hooks,
     is_accumulate_grad,
@@ -99,31 +99,34 @@ def owning_graphed(
 
     class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
         @staticmethod
-        def forward(ctx: Any, *inputs: torch.Tensor) -> Any:
+        def forward(ctx: Any, *args: Any) -> Any:
+            # Autograd gives tensor arguments edges (ctx.next_functions) and
+            # skips the others (2.15's leading tuple of graphs), so argument i's
+            # edge is number edge_of[i].
+            edges = itertools.count()
+            ctx.gradsafe_edge_of = tuple(
+                next(edges) if isinstance(a, torch.Tensor) else None for a in args
+            )
             # An input produced by another gradsafe-graphed callable lives in
             # that callable's static output buffer, so holding it costs no
             # memory; its hooks are checked at backward time.
             ctx.gradsafe_chained = tuple(
-                t if _is_gradsafe_graphed_output(t) else None for t in inputs
+                a if _is_gradsafe_graphed_output(a) else None for a in args
             )
-            return upstream_forward(ctx, *inputs)
+            return upstream_forward(ctx, *args)
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+            # One slot per forward argument: checked when the callable was made.
             static = upstream_backward(ctx, *grads)
-            if not isinstance(static, tuple) or len(static) != len(ctx.needs_input_grad):
-                raise UnsupportedTorchError(
-                    f"torch {torch.__version__}'s graphed backward returned {type(static).__name__} "
-                    f"for {len(ctx.needs_input_grad)} inputs; gradsafe expects one gradient per "
-                    "input. Pass ownership='never' to use upstream's callables as they are."
-                )
             owned = list(static)
             accumulating: bool | None = None  # probed once, only if a chained slot needs it
             with torch.no_grad():
                 for i, grad in enumerate(static):
-                    if grad is None or not ctx.needs_input_grad[i]:
+                    edge = ctx.gradsafe_edge_of[i]
+                    if grad is None or edge is None or not ctx.needs_input_grad[i]:
                         continue
-                    node = ctx.next_functions[i][0]
+                    node = ctx.next_functions[edge][0]
                     if node is None:
                         continue
                     if is_accumulate_grad(node):

@@ -17,6 +17,7 @@ returns callables it could not make safe.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Iterable
 from typing import Literal
@@ -46,7 +47,7 @@ class UnsupportedTorchError(RuntimeError):
 def _unsupported(what: str) -> UnsupportedTorchError:
     return UnsupportedTorchError(
         f"gradsafe.cuda_graphs cannot make torch {torch.__version__}'s make_graphed_callables "
-        f"safe: {what}. gradsafe recognises the structure of torch 2.10-2.14. Refusing to return "
+        f"safe: {what}. gradsafe recognises the structures of torch 2.10-2.15. Refusing to return "
         "callables whose backward may hand CUDA-graph static buffers to autograd; pin a supported "
         "torch, report this at gradsafe's issue tracker, or pass ownership='never' to accept "
         "upstream's aliasing knowingly."
@@ -55,10 +56,16 @@ def _unsupported(what: str) -> UnsupportedTorchError:
 
 @dataclasses.dataclass(frozen=True)
 class GraphedSite:
-    """Where one graphed callable keeps its autograd Function: the closure cell of ``functionalized``."""
+    """Where one graphed callable keeps its autograd Function: the closure cell of ``functionalized``.
+
+    ``leading`` counts the non-tensor arguments ``Graphed.forward`` takes before
+    the tensors (torch 2.15 passes its ``(fwd_graph, bwd_graph)`` tuple first);
+    its backward returns a None for each of them before the tensors' gradients.
+    """
 
     cell: types.CellType
     graphed_cls: type[torch.autograd.Function]
+    leading: int
 
     def install(self, replacement: type[torch.autograd.Function]) -> None:
         self.cell.cell_contents = replacement
@@ -72,12 +79,7 @@ def _graphed_cell(fn: object) -> types.CellType | None:
     return closure[code.co_freevars.index(_CLASS_NAME)]
 
 
-def find_graphed_site(returned: object) -> GraphedSite:
-    """Locate the ``Graphed`` Function behind one callable returned by upstream.
-
-    Raises:
-        UnsupportedTorchError: the callable is not shaped as gradsafe expects.
-    """
+def _find_cell(returned: object) -> types.CellType:
     entry = returned.forward if isinstance(returned, torch.nn.Module) else returned
     cell = _graphed_cell(entry)
     if cell is None and isinstance(returned, torch.nn.Module):
@@ -88,10 +90,81 @@ def find_graphed_site(returned: object) -> GraphedSite:
             except ValueError:  # an empty cell
                 continue
             if candidate is not None:
-                cell = candidate
-                break
+                return candidate
     if cell is None:
         raise _unsupported(f"no closure over a {_CLASS_NAME!r} autograd.Function in {entry!r}")
+    return cell
+
+
+def _leading_arguments(graphed_cls: type) -> int:
+    """How many positional arguments ``forward`` takes between ``ctx`` and ``*inputs``."""
+    params = list(inspect.signature(graphed_cls.forward).parameters.values())
+    kinds = [p.kind for p in params]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if (
+        len(params) < 2
+        or kinds[-1] is not inspect.Parameter.VAR_POSITIONAL
+        or any(k not in positional for k in kinds[:-1])
+    ):
+        raise _unsupported(
+            f"{_CLASS_NAME}.forward has signature {inspect.signature(graphed_cls.forward)}, "
+            "expected (ctx, [leading non-tensor arguments,] *inputs)"
+        )
+    return len(params) - 2
+
+
+class _NoReplay:
+    """Stands in for the backward CUDA graph during the dry run: replaying does nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+def _dry_backward(graphed_cls: type) -> object:
+    """Run upstream's graphed backward without replaying its graph, and return what it returns.
+
+    The backward copies incoming gradients into its static gradient buffers,
+    replays the backward graph and returns views of its static input-gradient
+    buffers. Handing it those very buffers (nothing to copy) and a graph that
+    does not replay makes the call free of side effects, so the shape of its
+    return can be checked before any training step.
+    """
+    backward = inspect.unwrap(graphed_cls.backward)
+    code, closure = backward.__code__, backward.__closure__ or ()
+    cells = dict(zip(code.co_freevars, closure))
+    if "static_grad_outputs" not in cells:
+        raise _unsupported(f"{_CLASS_NAME}.backward does not close over static_grad_outputs")
+    grads = cells["static_grad_outputs"].cell_contents
+    if "bwd_graph" in cells:  # torch <= 2.14 closes over the graph; 2.15 reads ctx.bwd_graph
+        cells = {**cells, "bwd_graph": types.CellType(_NoReplay())}
+    dry = types.FunctionType(
+        code, backward.__globals__, backward.__name__, backward.__defaults__,
+        tuple(cells[name] for name in code.co_freevars),
+    )
+    ctx = types.SimpleNamespace(bwd_graph=_NoReplay())
+    try:
+        with torch.no_grad():
+            return dry(ctx, *grads)
+    except Exception as exc:
+        raise _unsupported(
+            f"a dry run of {_CLASS_NAME}.backward failed ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
+    """Locate and check the ``Graphed`` Function behind one callable returned by upstream.
+
+    ``num_inputs`` is how many tensors the callable feeds its Function: the
+    flattened sample arguments plus, for a module, its parameters. The check
+    runs upstream's backward dry (see :func:`_dry_backward`) and requires one
+    None per leading non-tensor argument followed by one gradient slot per
+    input, so a changed structure fails here, when the callables are made,
+    never in a training step's backward.
+
+    Raises:
+        UnsupportedTorchError: the callable is not shaped as gradsafe expects.
+    """
+    cell = _find_cell(returned)
     graphed_cls = cell.cell_contents
     if not (
         isinstance(graphed_cls, type)
@@ -100,7 +173,22 @@ def find_graphed_site(returned: object) -> GraphedSite:
         and "forward" in vars(graphed_cls)
     ):
         raise _unsupported(f"{_CLASS_NAME!r} is {graphed_cls!r}, not an autograd.Function subclass")
-    return GraphedSite(cell, graphed_cls)
+    leading = _leading_arguments(graphed_cls)
+    returned_grads = _dry_backward(graphed_cls)
+    if not isinstance(returned_grads, tuple) or len(returned_grads) != leading + num_inputs:
+        got = len(returned_grads) if isinstance(returned_grads, tuple) else type(returned_grads).__name__
+        raise _unsupported(
+            f"{_CLASS_NAME}.backward returns {got} gradient slots, expected {leading} for its "
+            f"leading non-tensor argument(s) plus {num_inputs} for its tensor inputs"
+        )
+    if any(g is not None for g in returned_grads[:leading]):
+        raise _unsupported(
+            f"{_CLASS_NAME}.backward returns gradients for its {leading} leading non-tensor "
+            "argument(s) instead of None"
+        )
+    if any(g is not None and not isinstance(g, torch.Tensor) for g in returned_grads[leading:]):
+        raise _unsupported(f"{_CLASS_NAME}.backward returns a non-tensor gradient for an input")
+    return GraphedSite(cell, graphed_cls, leading)
 
 
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
