@@ -1,29 +1,27 @@
 """gradsafe: exact gradients where PyTorch silently corrupts, drops or crashes on them.
 
-Importing gradsafe patches nothing. Use one of:
+Importing gradsafe patches nothing (and imports no capability code). Use one of:
 
 * ``gradsafe.patch()`` at start-up (until ``gradsafe.unpatch()``),
 * ``with gradsafe.patch(): train()`` around the training loop,
 * direct imports such as ``from gradsafe.pipelining import stage_backward_weight``.
+
+Every function here is a method of :data:`REGISTRY`, the process's one
+:class:`~gradsafe.patching.PatchRegistry`, whose patches are listed in
+:mod:`gradsafe.capabilities`.
 """
 
-from gradsafe.patching import (
-    PatchConflictWarning,
-    PatchHandle,
-    PatchState,
-    Status,
-    get_original,
-    is_object_patched,
-    patch,
-    patch_names,
-    status,
-    unpatch,
-)
+from __future__ import annotations
+
+from gradsafe.capabilities import REGISTRY, PatchName
+from gradsafe.patching import PatchConflictWarning, PatchHandle, PatchState, Status
 
 __all__ = [
     "PatchConflictWarning",
     "PatchHandle",
+    "PatchName",
     "PatchState",
+    "REGISTRY",
     "Status",
     "get_original",
     "is_object_patched",
@@ -33,4 +31,34 @@ __all__ = [
     "unpatch",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def patch(*names: PatchName) -> PatchHandle:
+    """Apply the named patches (none named: all) and return a handle; see :meth:`PatchRegistry.patch`."""
+    return REGISTRY.patch(*names)
+
+
+def unpatch(*names: PatchName) -> None:
+    """Undo this thread's newest bare ``patch()`` per name; see :meth:`PatchRegistry.unpatch`."""
+    REGISTRY.unpatch(*names)
+
+
+def status() -> Status:
+    """Where every patch stands, without probing anything; see :meth:`PatchRegistry.status`."""
+    return REGISTRY.status()
+
+
+def patch_names() -> tuple[str, ...]:
+    """The names :func:`patch` accepts."""
+    return REGISTRY.names()
+
+
+def get_original(module: str, attr: str) -> object:
+    """torch's object behind a slot gradsafe replaced; see :meth:`PatchRegistry.get_original`."""
+    return REGISTRY.get_original(module, attr)
+
+
+def is_object_patched(module: str, attr: str) -> bool:
+    """Whether ``module.attr`` holds a gradsafe replacement; see :meth:`PatchRegistry.is_object_patched`."""
+    return REGISTRY.is_object_patched(module, attr)

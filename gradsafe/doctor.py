@@ -1,26 +1,29 @@
 """``gradsafe doctor``: reproduce each hazard on the installed torch, without and with gradsafe.
 
-Each capability lists its checks in ``gradsafe/<capability>/_doctor.py`` as
-``CHECKS``. A check is two zero-argument callables returning an
-:class:`Outcome`: the reproduction against upstream torch, and the same
-reproduction with gradsafe. A crash is an outcome too (upstream crashes are
-one of the hazards), so exceptions are caught and reported, never raised.
+Each capability writes its hazard reproductions once, in
+``gradsafe/<capability>/_hazards.py``, as ``CHECKS`` (listed in
+:data:`gradsafe.capabilities.CAPABILITIES`). A :class:`Check` is two
+zero-argument callables returning an :class:`Outcome`: the reproduction against
+upstream, and the same reproduction with gradsafe. A crash is an outcome too
+(upstream crashes are one of the hazards), so exceptions are caught and
+reported, never raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import platform
+import shutil
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
 
 import torch
 
-from gradsafe import patching
+from gradsafe import capabilities
+from gradsafe.capabilities import REGISTRY
+from gradsafe.patching import Skip
 
-__all__ = ["Check", "Outcome", "Report", "Row", "patched_check", "run"]
+__all__ = ["Check", "Outcome", "PatchPlan", "Report", "Row", "patched_check", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Outcome:
 
     ``correct`` is True when the gradients (or behaviour) matched the
     reference, False when they did not, None when the run was not possible
-    (e.g. not implemented yet, or gradsafe already active in this process).
+    (e.g. gradsafe already active in this process).
     """
 
     correct: bool | None
@@ -63,18 +66,18 @@ def patched_check(
     """A check whose gradsafe run is ``repro`` under ``gradsafe.patch(patch_name)``."""
 
     def upstream() -> Outcome:
-        if patching.status()[patch_name].active:
+        if REGISTRY.status()[patch_name].active:
             return Outcome(None, f"not measured: gradsafe.patch({patch_name!r}) is active here")
         return repro()
 
     def with_gradsafe() -> Outcome:
-        with patching.patch(patch_name) as handle:
+        with REGISTRY.patch(patch_name) as handle:
             applied = patch_name in handle.names
             outcome = repro()
         if applied:
             return outcome
         # A skipped patch (e.g. upstream already right) must still be measured.
-        reason = patching.status()[patch_name].skipped
+        reason = REGISTRY.status()[patch_name].skipped
         return Outcome(outcome.correct, f"{outcome.detail} (patch skipped: {reason})")
 
     return Check(hazard, capability, upstream, with_gradsafe)
@@ -84,9 +87,24 @@ def patched_check(
 class Row:
     hazard: str
     capability: str
+    upstream_source: str
     upstream: Outcome
     gradsafe: Outcome
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchPlan:
+    """What ``gradsafe.patch(name)`` replaces on this torch, or why it is skipped."""
+
+    name: str
+    replaces: tuple[str, ...]
+    skipped: str | None
+
+    def __str__(self) -> str:
+        if self.skipped is not None:
+            return f"{self.name}: skipped: {self.skipped}"
+        return f"{self.name}: replaces {', '.join(self.replaces)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +112,12 @@ class Report:
     torch_version: str
     machine: str
     rows: tuple[Row, ...]
+    patches: tuple[PatchPlan, ...]
 
     @property
     def ok(self) -> bool:
-        """Every row is right with gradsafe."""
-        return all(row.gradsafe.correct is True for row in self.rows)
+        """Some row ran, and every row is right with gradsafe."""
+        return bool(self.rows) and all(row.gradsafe.correct is True for row in self.rows)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -106,67 +125,101 @@ class Report:
             "machine": self.machine,
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
+            "patches": [dataclasses.asdict(p) for p in self.patches],
         }
 
-    def __str__(self) -> str:
-        header = ("hazard", "torch", "upstream", "with gradsafe")
+    def render(self, width: int | None = None) -> str:
+        """The report as a table; cells are cut to fit ``width`` columns (None: never cut)."""
+        marks = _footnote_marks(self.rows)
+        header = ("hazard", "upstream", "with gradsafe")
         body = [
-            (r.hazard, self.torch_version, _cell(r.upstream.label), _cell(r.gradsafe.label))
+            (r.hazard, marks.get(r.upstream_source, "") + r.upstream.label, r.gradsafe.label)
             for r in self.rows
         ]
-        widths = [max(len(line[i]) for line in [header, *body]) for i in range(4)]
+        widths = [max(len(line[i]) for line in [header, *body]) for i in range(3)]
+        if width is not None:
+            room = max(width - widths[0] - 6, 40)  # 6: the two " | " separators
+            for i in (1, 2):
+                widths[i] = min(widths[i], room // 2)
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-        lines = [fmt.format(*header), "-+-".join("-" * w for w in widths)]
-        lines += [fmt.format(*line) for line in body]
+        lines = [f"torch {self.torch_version} ({self.machine})", ""]
+        lines += [fmt.format(*header), "-+-".join("-" * w for w in widths)]
+        cells = [[_cut(cell, w) for cell, w in zip(line, widths)] for line in body]
+        lines += [fmt.format(*line) for line in cells]
+        lines += [f"{mark} upstream column: {source}" for source, mark in marks.items()]
+        if cells != [list(line) for line in body]:
+            lines.append("(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)")
+        lines += ["", "Patches on this torch (what gradsafe.patch() does here):"]
+        lines += [f"  {p}" for p in self.patches]
         verdict = "gradsafe removes every hazard above" if self.ok else "NOT OK: see WRONG/n/a rows"
-        lines += ["", f"{verdict} (torch {self.torch_version}, {self.machine})"]
-        return "\n".join(lines)
+        return "\n".join([*lines, "", verdict])
+
+    def __str__(self) -> str:
+        return self.render()
 
 
-# Keeps the table readable in a terminal; `--json` carries the full details.
-_CELL_WIDTH: Final = 64
+def _footnote_marks(rows: Sequence[Row]) -> dict[str, str]:
+    sources = dict.fromkeys(r.upstream_source for r in rows if r.upstream_source != "installed torch")
+    return {source: "*" * (i + 1) for i, source in enumerate(sources)}
 
 
-def _cell(text: str) -> str:
-    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 3] + "..."
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
-# One module per capability, in the order the table shows them.
-_CHECK_MODULES: Final = (
-    "gradsafe.pipelining._doctor",
-    "gradsafe.dtensor._doctor",
-    "gradsafe.cuda_graphs._doctor",
-    "gradsafe.wgrad._doctor",
-)
-
-
-def checks() -> tuple[Check, ...]:
-    """Every registered check."""
-    found: list[Check] = []
-    for module in _CHECK_MODULES:
-        found += importlib.import_module(module).CHECKS
-    return tuple(found)
+def terminal_width() -> int:
+    """Columns of the terminal (``COLUMNS`` wins, as in ``shutil``; 160 when not a terminal)."""
+    return shutil.get_terminal_size(fallback=(160, 24)).columns
 
 
 def _run_one(run: Callable[[], Outcome]) -> Outcome:
     try:
         return run()
     except Exception as exc:  # a crash is a finding, not a doctor failure
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Outcome(False, f"crash: {type(exc).__name__}: {message}"[:160])
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Outcome(False, f"crash: {type(exc).__name__}: {first_line}")
 
 
-def run(capabilities: Sequence[str] = ()) -> Report:
-    """Run every check (or those of ``capabilities``) and return the report."""
-    rows = []
-    for check in checks():
-        if capabilities and check.capability not in capabilities:
-            continue
-        start = time.perf_counter()
-        upstream = _run_one(check.upstream)
-        with_gradsafe = _run_one(check.gradsafe)
-        rows.append(
-            Row(check.hazard, check.capability, upstream, with_gradsafe, time.perf_counter() - start)
+def capability_names() -> tuple[str, ...]:
+    """The names ``run`` (and ``gradsafe doctor --only``) accept."""
+    return tuple(c.name for c in capabilities.CAPABILITIES)
+
+
+def _plans() -> tuple[PatchPlan, ...]:
+    plans = []
+    for name in REGISTRY.names():
+        plan = REGISTRY.plan(name)
+        if isinstance(plan, Skip):
+            plans.append(PatchPlan(name, (), plan.reason))
+        else:
+            plans.append(PatchPlan(name, tuple(t.where for t in plan), None))
+    return tuple(plans)
+
+
+def run(only: Sequence[str] = ()) -> Report:
+    """Run every check (or those of the capabilities ``only`` names) and return the report.
+
+    Raises:
+        ValueError: ``only`` names something that is not a capability.
+    """
+    unknown = [name for name in only if name not in capability_names()]
+    if unknown:
+        raise ValueError(
+            f"unknown capability {unknown[0]!r}; valid: {', '.join(capability_names())}"
         )
+    rows = []
+    for capability in capabilities.CAPABILITIES:
+        if only and capability.name not in only:
+            continue
+        for check in capability.hazards():
+            start = time.perf_counter()
+            upstream = _run_one(check.upstream)
+            with_gradsafe = _run_one(check.gradsafe)
+            rows.append(
+                Row(
+                    check.hazard, check.capability, check.upstream_source, upstream,
+                    with_gradsafe, time.perf_counter() - start,
+                )
+            )
     machine = f"{platform.machine()}, {'CUDA' if torch.cuda.is_available() else 'CPU only'}"
-    return Report(torch.__version__, machine, tuple(rows))
+    return Report(torch.__version__, machine, tuple(rows), _plans())

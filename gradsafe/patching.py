@@ -1,25 +1,34 @@
 """Explicit, reversible, reference-counted monkeypatching of torch.
 
-Every capability declares one :class:`Patch`: a name, and a ``plan`` that
-probes the installed torch and returns either the :class:`Target` slots to
-replace or a :class:`Skip` with the reason. :func:`patch` applies patches and
-returns a :class:`PatchHandle` that is also a context manager; the last
-reference released puts back exactly the object that was there before.
+The pieces, smallest first:
 
-The design follows pytest's ``MonkeyPatch`` (an undo record per slot) and
-gevent's ``monkey`` (``get_original``, ``is_object_patched``), with reference
-counting so that nested users (a library and its caller) compose.
+* a :class:`Target` is one slot (a module attribute or a table entry) and the
+  object gradsafe puts there;
+* a :class:`Patch` is one capability's set of slots: its ``plan`` probes the
+  installed torch (features, never version numbers) and returns the targets
+  or a :class:`Skip` with the reason;
+* a :class:`PatchRegistry` owns every patch's reference count and undo
+  records, like pytest's ``MonkeyPatch`` owns its undo stack. The one registry
+  of the process is ``gradsafe.REGISTRY``, built in :mod:`gradsafe.capabilities`;
+  ``gradsafe.patch()``, ``unpatch()``, ``status()``, ``get_original()`` and
+  ``is_object_patched()`` are its methods.
+
+A plan is computed once per process (it depends only on the installed torch)
+and always under plain tensor semantics: grad mode on, no inference mode, CPU
+as default device, whatever the caller's context.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
 from types import TracebackType
-from typing import Final, Hashable, Literal, Union
+from typing import Final, Literal, Union
 
 from typing_extensions import Self, TypeAlias
 
@@ -30,18 +39,13 @@ __all__ = [
     "Patch",
     "PatchConflictWarning",
     "PatchHandle",
+    "PatchRegistry",
     "PatchState",
-    "Patcher",
+    "Plan",
     "Skip",
     "Status",
     "Target",
     "TargetState",
-    "get_original",
-    "is_object_patched",
-    "patch",
-    "patch_names",
-    "status",
-    "unpatch",
 ]
 
 
@@ -112,18 +116,21 @@ class Skip:
     reason: str
 
 
+Plan: TypeAlias = Union[Sequence[Target], Skip]
+
+
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """One capability's patch.
 
-    ``plan`` probes the installed torch (features, not version numbers) when
-    the patch is applied and returns the slots to replace, or a :class:`Skip`.
+    ``plan`` probes the installed torch when the patch is first applied (or
+    planned) and returns the slots to replace, or a :class:`Skip`.
     ``after_change`` runs after applying and after restoring (cache clearing).
     """
 
     name: str
     summary: str
-    plan: Callable[[], Sequence[Target] | Skip]
+    plan: Callable[[], Plan]
     after_change: Callable[[], None] = lambda: None
 
 
@@ -148,31 +155,41 @@ class TargetState:
 
 @dataclasses.dataclass(frozen=True)
 class PatchState:
-    """Where one patch stands: active (with its slots), skipped, or idle."""
+    """Where one patch stands.
+
+    ``state`` is ``"active"`` (applied, ``refcount`` references held),
+    ``"skipped"`` (does not apply to this torch: ``skipped`` says why),
+    ``"idle"`` (planned, not applied: ``targets`` are what applying replaces) or
+    ``"unplanned"`` (never applied or planned in this process, so not probed).
+    """
 
     name: str
     summary: str
-    active: bool
+    state: Literal["active", "skipped", "idle", "unplanned"]
     refcount: int
     targets: tuple[TargetState, ...]
     skipped: str | None
     conflicts: tuple[str, ...]
 
+    @property
+    def active(self) -> bool:
+        return self.state == "active"
+
     def __str__(self) -> str:
-        if self.active:
-            head = f"{self.name}: active (refcount {self.refcount})"
-        elif self.skipped is not None:
-            head = f"{self.name}: skipped: {self.skipped}"
-        else:
-            head = f"{self.name}: not applied"
-        lines = [head] + [f"    {t}" for t in self.targets]
+        head = {
+            "active": f"active (refcount {self.refcount})",
+            "skipped": f"skipped: {self.skipped}",
+            "idle": "not applied",
+            "unplanned": "not applied, not probed yet in this process",
+        }[self.state]
+        lines = [f"{self.name}: {head}"] + [f"    {t}" for t in self.targets]
         lines += [f"    conflict: {c}" for c in self.conflicts]
         return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
 class Status:
-    """The report returned by :func:`status`; ``str()`` renders it."""
+    """The report returned by ``gradsafe.status()``; ``str()`` renders it."""
 
     patches: tuple[PatchState, ...]
 
@@ -186,54 +203,262 @@ class Status:
         return "\n".join(str(p) for p in self.patches)
 
 
+@contextmanager
+def _plain_torch_context() -> Iterator[None]:
+    """Probe as in a fresh process: grad mode on, no inference mode, CPU default device."""
+    import torch  # not at module import: `import gradsafe` leaves importing torch to its caller
+
+    with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
+        yield
+
+
+def _slot(target: Target) -> tuple[str, Hashable]:
+    return (target.where, target.key if isinstance(target, ItemTarget) else "")
+
+
 @dataclasses.dataclass
 class _Applied:
     target: Target
     original: object
 
 
-class Patcher:
-    """Reference-counted application of one :class:`Patch`.
-
-    The first :meth:`acquire` applies the patch (all slots or none), the last
-    :meth:`release` restores the exact originals. The registry keeps one per
-    patch name; other reversible replacements (such as
-    :func:`gradsafe.testing.emulate_cuda_graphs`) keep their own. Guarded by
-    the module's one lock, so it is thread-safe.
-    """
+class _Entry:
+    """One patch's cached plan, reference count and undo records (guarded by the registry's lock)."""
 
     def __init__(self, patch: Patch) -> None:
         self.patch = patch
         self.refcount = 0
-        self.skipped: str | None = None
+        self.plan: Plan | None = None
+        self.applied: list[_Applied] = []
         self.conflicts: list[str] = []
-        self._applied: list[_Applied] = []
 
-    def acquire(self) -> bool:
-        """Take a reference, applying the patch if it is the first; False if the patch was skipped."""
-        with _LOCK:
-            if self.refcount == 0:
-                self._apply()
-                if self.skipped is not None:
-                    return False
-            self.refcount += 1
-            return True
 
-    def release(self) -> None:
-        """Give back a reference; the last one restores the originals."""
-        with _LOCK:
-            self.refcount -= 1
-            if self.refcount == 0:
-                self._restore()
+class PatchHandle:
+    """The references one :meth:`PatchRegistry.patch` call took, and a reusable context manager.
+
+    ``patch()`` applies at once and the handle holds those references until
+    :meth:`release` (or ``unpatch()`` from the thread that called ``patch()``).
+    Entering the handle in a ``with`` block makes the block own them: leaving
+    the block releases them, also on an exception, and nothing else can. A
+    handle entered again (``ctx = gradsafe.patch()`` then ``with ctx:`` in a
+    loop, or nested) takes fresh references for that block, so every block
+    runs patched.
+    """
+
+    def __init__(self, registry: PatchRegistry, requested: tuple[str, ...], held: tuple[str, ...]):
+        self._registry = registry
+        self._requested = requested
+        self._bare = held
+        self._blocks: list[tuple[str, ...]] = []
+        self._thread = threading.get_ident()
 
     @property
-    def applied(self) -> tuple[_Applied, ...]:
-        return tuple(self._applied)
+    def names(self) -> tuple[str, ...]:
+        """The patches this handle holds a reference to right now (skipped ones never)."""
+        held = [*self._bare, *(name for block in self._blocks for name in block)]
+        return tuple(dict.fromkeys(held))
 
-    def plan(self) -> Sequence[Target] | Skip:
-        """The patch's plan, with slots the installed torch lacks turned into a skip."""
+    def release(self, *names: str) -> None:
+        """Give back the references ``patch()`` took for ``names`` (default: all); idempotent.
+
+        References owned by a ``with`` block are released by leaving the block.
+        """
+        with self._registry._lock:
+            chosen = set(names or self._bare)
+            for name in self._bare:
+                if name in chosen:
+                    self._registry._release(name)
+            self._bare = tuple(n for n in self._bare if n not in chosen)
+            self._registry._forget_if_done(self)
+
+    def __enter__(self) -> Self:
+        with self._registry._lock:
+            if self._bare:
+                block, self._bare = self._bare, ()
+                self._registry._forget_if_done(self)
+            else:
+                block = self._registry._acquire_all(self._requested)
+            self._blocks.append(block)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with self._registry._lock:
+            for name in self._blocks.pop():
+                self._registry._release(name)
+
+    def __repr__(self) -> str:
+        return f"PatchHandle(names={self.names!r})"
+
+
+class PatchRegistry:
+    """Every patch of one process: plans, reference counts, exact-object undo.
+
+    ``patches`` are the names :meth:`patch` accepts; ``testing`` patches (the
+    CUDA-graph emulation) are applied only through :meth:`hold`, but share the
+    bookkeeping, so :meth:`get_original` and :meth:`is_object_patched` see
+    them too. One re-entrant lock guards everything: threads may patch and
+    release concurrently.
+    """
+
+    def __init__(self, patches: Sequence[Patch], *, testing: Sequence[Patch] = ()) -> None:
+        self._lock = threading.RLock()
+        self._public = tuple(p.name for p in patches)
+        self._entries = {p.name: _Entry(p) for p in (*patches, *testing)}
+        # The last object found in each slot that was not gradsafe's, keyed by
+        # slot, with gradsafe's replacement: lets a slot left holding
+        # gradsafe's object (a foreign patch undone out of order) still reach
+        # torch's function, and be restored by the next patch cycle.
+        self._originals: dict[tuple[str, Hashable], tuple[object, object]] = {}
+        # Handles holding references from patch() that no with block owns yet,
+        # oldest first: what unpatch() can release.
+        self._holders: list[PatchHandle] = []
+
+    # -- public API ------------------------------------------------------------------
+
+    def names(self) -> tuple[str, ...]:
+        """The names :meth:`patch` accepts."""
+        return self._public
+
+    def patch(self, *names: str) -> PatchHandle:
+        """Apply the named patches now (none named: every patch) and return a handle.
+
+        Each name takes one reference; a patch is installed by the first
+        reference and removed when the last is released, so nesting and
+        repeated calls are harmless. A patch that does not apply to the
+        installed torch is skipped; :meth:`status` says why. Use the handle as
+        a context manager to restore on exit (also on an exception), or call
+        :meth:`unpatch` later from the same thread.
+
+        Raises:
+            ValueError: a name is not one of :meth:`names`.
+        """
+        requested = self._validate(names)
+        with self._lock:
+            handle = PatchHandle(self, requested, self._acquire_all(requested))
+            if handle._bare:
+                self._holders.append(handle)
+            return handle
+
+    def unpatch(self, *names: str) -> None:
+        """Undo the calling thread's newest bare ``patch()`` reference per name (none named: every name).
+
+        Bare means not entered as a context manager. References held by
+        ``with`` blocks are released only by leaving the block, and other
+        threads' ``patch()`` calls are theirs to undo (``handle.release()``
+        works from any thread), so an ``unpatch()`` can never remove a patch
+        someone else still relies on.
+
+        Raises:
+            ValueError: a name is not one of :meth:`names`.
+        """
+        chosen = self._validate(names)
+        me = threading.get_ident()
+        with self._lock:
+            for name in chosen:
+                for handle in reversed(self._holders):
+                    if handle._thread == me and name in handle._bare:
+                        handle.release(name)
+                        break
+
+    @contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Apply any registered patch (testing ones included) for the duration of a block.
+
+        Raises:
+            RuntimeError: the patch does not apply to the installed torch (the
+                reason is in the message).
+        """
+        if name not in self._entries:
+            raise ValueError(f"unknown patch {name!r}; registered: {', '.join(self._entries)}")
+        with self._lock:
+            if not self._acquire(name):
+                raise RuntimeError(
+                    f"{name} cannot be applied to the installed torch: {self._skip_reason(name)}"
+                )
         try:
-            plan = self.patch.plan()
+            yield
+        finally:
+            with self._lock:
+                self._release(name)
+
+    def plan(self, name: str) -> Plan:
+        """What applying ``name`` replaces on this torch, or why it is skipped (probes once per process)."""
+        if name not in self._entries:
+            raise ValueError(f"unknown patch {name!r}; registered: {', '.join(self._entries)}")
+        with self._lock:
+            return self._plan(self._entries[name])
+
+    def status(self) -> Status:
+        """Where every patch stands; passive: it probes, imports and applies nothing."""
+        with self._lock:
+            return Status(tuple(self._state(entry) for entry in self._entries.values()))
+
+    def get_original(self, module: str, attr: str) -> object:
+        """The object gradsafe replaced at ``module.attr``, or the current one if gradsafe is not there.
+
+        Capability code uses this to delegate to torch's own implementation
+        even while its public name points at gradsafe's.
+        """
+        with self._lock:
+            for record in self._records():
+                target = record.target
+                if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
+                    return record.original
+            current = getattr(importlib.import_module(module), attr)
+            record = self._originals.get((f"{module}.{attr}", ""))
+            return record[1] if record is not None and current is record[0] else current
+
+    def is_object_patched(self, module: str, attr: str) -> bool:
+        """Whether ``module.attr`` currently holds a replacement gradsafe applied."""
+        with self._lock:
+            return any(
+                isinstance(r.target, AttrTarget)
+                and (r.target.module, r.target.attr) == (module, attr)
+                and r.target.read() is r.target.replacement
+                for r in self._records()
+            )
+
+    # -- internals (callers hold the lock) ---------------------------------------------
+
+    def _validate(self, names: Sequence[str]) -> tuple[str, ...]:
+        unknown = [n for n in names if n not in self._public]
+        if unknown:
+            raise ValueError(
+                f"unknown gradsafe patch {unknown[0]!r}; valid names: {', '.join(self._public)}"
+            )
+        return tuple(dict.fromkeys(names or self._public))
+
+    def _forget_if_done(self, handle: PatchHandle) -> None:
+        if not handle._bare and handle in self._holders:
+            self._holders.remove(handle)
+
+    def _acquire_all(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        held: list[str] = []
+        try:
+            for name in names:
+                if self._acquire(name):
+                    held.append(name)
+        except BaseException:
+            for name in reversed(held):
+                self._release(name)
+            raise
+        return tuple(held)
+
+    def _plan(self, entry: _Entry) -> Plan:
+        if entry.plan is None:
+            entry.plan = self._probe(entry.patch)
+        return entry.plan
+
+    @staticmethod
+    def _probe(patch: Patch) -> Plan:
+        try:
+            with _plain_torch_context():
+                plan = patch.plan()
         except (ImportError, AttributeError) as exc:
             return Skip(f"the installed torch lacks what this patch replaces ({exc})")
         if isinstance(plan, Skip):
@@ -243,205 +468,96 @@ class Patcher:
                 target.read()
             except (ImportError, AttributeError) as exc:
                 return Skip(f"the installed torch has no {target.where} ({exc})")
-        return plan
+        return tuple(plan)
 
-    def _apply(self) -> None:
-        plan = self.plan()
-        if isinstance(plan, Skip):
-            self.skipped = plan.reason
-            return
-        self.skipped = None
-        self.conflicts.clear()
+    def _skip_reason(self, name: str) -> str:
+        plan = self._entries[name].plan
+        return plan.reason if isinstance(plan, Skip) else ""
+
+    def _acquire(self, name: str) -> bool:
+        entry = self._entries[name]
+        if entry.refcount == 0:
+            plan = self._plan(entry)
+            if isinstance(plan, Skip):
+                return False
+            self._apply(entry, plan)
+        entry.refcount += 1
+        return True
+
+    def _release(self, name: str) -> None:
+        entry = self._entries[name]
+        if entry.refcount <= 0:
+            raise RuntimeError(
+                f"gradsafe patch {name!r} released more often than it was acquired; this is a "
+                "bug in gradsafe (or code calling its internals), please report it"
+            )
+        entry.refcount -= 1
+        if entry.refcount == 0:
+            self._restore(entry)
+
+    def _apply(self, entry: _Entry, plan: Sequence[Target]) -> None:
+        entry.conflicts.clear()
         done: list[_Applied] = []
         try:
             for target in plan:
-                original = target.read()
+                current = target.read()
+                record = self._originals.get(_slot(target))
+                original = record[1] if record is not None and current is record[0] else current
                 target.write(target.replacement)
                 done.append(_Applied(target, original))
+                self._originals[_slot(target)] = (target.replacement, original)
         except BaseException:
             for record in reversed(done):
                 record.target.write(record.original)
             raise
-        self._applied = done
-        self.patch.after_change()
+        entry.applied = done
+        entry.patch.after_change()
 
-    def _restore(self) -> None:
-        for record in reversed(self._applied):
+    def _restore(self, entry: _Entry) -> None:
+        for record in reversed(entry.applied):
             current = record.target.read()
             if current is record.target.replacement:
                 record.target.write(record.original)
-                continue
-            message = (
-                f"gradsafe patch {self.patch.name!r}: {record.target.where} was replaced by "
-                f"{current!r} while gradsafe held it; leaving that in place instead of "
-                f"restoring {record.original!r}. Unpatch gradsafe before patching that slot "
-                f"yourself, or patch it after gradsafe is released."
-            )
-            self.conflicts.append(message)
-            warnings.warn(message, PatchConflictWarning, stacklevel=5)
-        self._applied = []
-        self.patch.after_change()
-
-
-# Each capability lists its patch in one module; imported on first use so
-# that ``import gradsafe`` imports no capability code and patches nothing.
-_CAPABILITY_MODULES: Final = {
-    "pipelining": "gradsafe.pipelining._patch",
-    "dtensor": "gradsafe.dtensor._patch",
-    "cuda_graphs": "gradsafe.cuda_graphs._patch",
-}
-
-_LOCK = threading.RLock()
-_ENTRIES: dict[str, Patcher] = {}
-
-
-def patch_names() -> tuple[str, ...]:
-    """The names :func:`patch` accepts."""
-    return tuple(_CAPABILITY_MODULES)
-
-
-def _entry(name: str) -> Patcher:
-    if name not in _CAPABILITY_MODULES:
-        raise ValueError(
-            f"unknown gradsafe patch {name!r}; valid names: {', '.join(_CAPABILITY_MODULES)}"
-        )
-    entry = _ENTRIES.get(name)
-    if entry is None:
-        declared: Patch = importlib.import_module(_CAPABILITY_MODULES[name]).PATCH
-        entry = _ENTRIES[name] = Patcher(declared)
-    return entry
-
-
-def _resolve(names: Sequence[str]) -> list[str]:
-    chosen = list(names) if names else list(_CAPABILITY_MODULES)
-    for name in chosen:
-        _entry(name)  # validates every name before anything is applied
-    return list(dict.fromkeys(chosen))
-
-
-class PatchHandle:
-    """References to patches taken by one :func:`patch` call.
-
-    Applying happens in :func:`patch`; the handle only gives its references
-    back, once each, via :meth:`release` or leaving a ``with`` block.
-    """
-
-    def __init__(self, held: list[str]) -> None:
-        self._held = held
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The patches this handle still holds a reference to."""
-        return tuple(self._held)
-
-    def release(self, *names: str) -> None:
-        """Give back this handle's reference to ``names`` (default: all)."""
-        with _LOCK:
-            for name in list(names or self._held):
-                if name in self._held:
-                    self._held.remove(name)
-                    _ENTRIES[name].release()
-            if not self._held and self in _HANDLES:
-                _HANDLES.remove(self)
-
-    def __enter__(self) -> Self:
-        # The with block owns these references now: unpatch() must not take them.
-        with _LOCK:
-            if self in _HANDLES:
-                _HANDLES.remove(self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"PatchHandle(names={self.names!r})"
-
-
-# Handles from bare patch() calls (not entered as context managers), newest
-# last, for unpatch() to release.
-_HANDLES: list[PatchHandle] = []
-
-
-def patch(*names: str) -> PatchHandle:
-    """Apply the named patches now (none named: every patch) and return a handle.
-
-    Each name takes one reference; a patch is installed by the first reference
-    and removed when the last is released, so nesting and repeated calls are
-    harmless. A patch that does not apply to the installed torch is skipped;
-    :func:`status` says why. Use the handle as a context manager to restore on
-    exit (also on an exception), or call :func:`unpatch` later.
-
-    Raises:
-        ValueError: a name is not one of :func:`patch_names`.
-    """
-    with _LOCK:
-        held: list[str] = []
-        try:
-            for name in _resolve(names):
-                if _ENTRIES[name].acquire():
-                    held.append(name)
-        except BaseException:
-            PatchHandle(held).release()
-            raise
-        handle = PatchHandle(held)
-        if held:
-            _HANDLES.append(handle)
-        return handle
-
-
-def unpatch(*names: str) -> None:
-    """Undo one earlier bare :func:`patch` call per name (none named: every name).
-
-    The reference given back is the newest one a bare ``patch()`` call (one
-    not used as a context manager) still holds for that name; a name no bare
-    call holds is left alone. References held by ``with`` blocks are released
-    only by leaving the block, so a patch stays installed while an enclosing
-    ``with gradsafe.patch()`` is active.
-
-    Raises:
-        ValueError: a name is not one of :func:`patch_names`.
-    """
-    with _LOCK:
-        for name in _resolve(names):
-            for handle in reversed(_HANDLES):
-                if name in handle.names:
-                    handle.release(name)
-                    break
-
-
-def status() -> Status:
-    """A structured, printable report of every patch: active slots, skips, conflicts."""
-    with _LOCK:
-        states = []
-        for name in _resolve(()):
-            entry = _ENTRIES[name]
-            skipped = None
-            if entry.applied:
-                targets = tuple(_observe(r.target) for r in entry.applied)
-            else:
-                plan = entry.plan()
-                if isinstance(plan, Skip):
-                    skipped, targets = plan.reason, ()
-                else:
-                    targets = tuple(TargetState(t.where, "planned", t.read()) for t in plan)
-            states.append(
-                PatchState(
-                    name=name,
-                    summary=entry.patch.summary,
-                    active=entry.refcount > 0,
-                    refcount=entry.refcount,
-                    targets=targets,
-                    skipped=skipped,
-                    conflicts=tuple(entry.conflicts),
+            elif current is not record.original:  # torch's object put back by hand is fine
+                message = (
+                    f"gradsafe patch {entry.patch.name!r}: {record.target.where} was replaced by "
+                    f"{current!r} while gradsafe held it; leaving that in place instead of "
+                    f"restoring {record.original!r}. Undo your own patch of that slot before "
+                    "gradsafe's is released, or apply it after."
                 )
+                entry.conflicts.append(message)
+                warnings.warn(message, PatchConflictWarning, stacklevel=4)
+        entry.applied = []
+        entry.patch.after_change()
+
+    def _records(self) -> Iterator[_Applied]:
+        for entry in self._entries.values():
+            yield from entry.applied
+
+    def _state(self, entry: _Entry) -> PatchState:
+        targets: tuple[TargetState, ...] = ()
+        skipped = None
+        if entry.refcount > 0:
+            state: Literal["active", "skipped", "idle", "unplanned"] = "active"
+            targets = tuple(_observe(r.target) for r in entry.applied)
+        elif entry.plan is None:
+            state = "unplanned"
+        elif isinstance(entry.plan, Skip):
+            state, skipped = "skipped", entry.plan.reason
+        else:
+            state = "idle"
+            targets = tuple(
+                TargetState(t.where, "planned", _peek(t)) for t in entry.plan
             )
-        return Status(tuple(states))
+        return PatchState(
+            name=entry.patch.name,
+            summary=entry.patch.summary,
+            state=state,
+            refcount=entry.refcount,
+            targets=targets,
+            skipped=skipped,
+            conflicts=tuple(entry.conflicts),
+        )
 
 
 def _observe(target: Target) -> TargetState:
@@ -451,31 +567,9 @@ def _observe(target: Target) -> TargetState:
     )
 
 
-def _records() -> Iterator[_Applied]:
-    for entry in _ENTRIES.values():
-        yield from entry.applied
-
-
-def get_original(module: str, attr: str) -> object:
-    """The object gradsafe replaced at ``module.attr``, or the current one if unpatched.
-
-    Capability code uses this to delegate to torch's own implementation even
-    while its public name points at gradsafe's.
-    """
-    with _LOCK:
-        for record in _records():
-            target = record.target
-            if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
-                return record.original
-        return getattr(importlib.import_module(module), attr)
-
-
-def is_object_patched(module: str, attr: str) -> bool:
-    """Whether ``module.attr`` currently holds a gradsafe replacement."""
-    with _LOCK:
-        return any(
-            isinstance(r.target, AttrTarget)
-            and (r.target.module, r.target.attr) == (module, attr)
-            and r.target.read() is r.target.replacement
-            for r in _records()
-        )
+def _peek(target: Target) -> object:
+    """The slot's current object without importing anything (status() is passive)."""
+    if isinstance(target, AttrTarget):
+        module = sys.modules.get(target.module)
+        return getattr(module, target.attr, MISSING) if module is not None else MISSING
+    return target.read()

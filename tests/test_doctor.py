@@ -1,4 +1,4 @@
-"""The doctor framework: rows, verdicts, crash capture, JSON and exit code."""
+"""The doctor: rows from the capability table, verdicts, crash capture, JSON, CLI and exit code."""
 
 from __future__ import annotations
 
@@ -9,59 +9,82 @@ import types
 
 import pytest
 
-from gradsafe import doctor, patching
+from gradsafe import capabilities, doctor
+from gradsafe.capabilities import Capability
 from gradsafe.doctor import Check, Outcome, patched_check
-from gradsafe.patching import AttrTarget, Patch, Skip
+from gradsafe.patching import AttrTarget, Patch, PatchRegistry, Skip
+
+_LONG = "Trying to backward through the graph a second time " + "x" * 300
 
 
 def _raise() -> Outcome:
-    raise RuntimeError("Trying to backward through the graph a second time\nmore text")
+    raise RuntimeError(f"{_LONG}\nmore text")
 
 
 @pytest.fixture
-def fake_checks(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    mod = types.ModuleType("fake_checks")
-    mod.CHECKS = (  # type: ignore[attr-defined]
-        Check("fine", "alpha", lambda: Outcome(True, ""), lambda: Outcome(True, "")),
-        Check("crashy", "alpha", _raise, lambda: Outcome(True, "same grads")),
-        Check("other", "beta", lambda: Outcome(False, "2x"), lambda: Outcome(True, "")),
+def fake_table(monkeypatch: pytest.MonkeyPatch) -> list[Check]:
+    alpha: list[Check] = [
+        Check("fine", "pipelining", lambda: Outcome(True, ""), lambda: Outcome(True, "")),
+        Check("crashy", "pipelining", _raise, lambda: Outcome(True, "same grads")),
+    ]
+    beta = [
+        Check("other", "wgrad", lambda: Outcome(False, "2x"), lambda: Outcome(True, ""),
+              upstream_source="model of another library's policy"),
+    ]
+    table = (
+        Capability("pipelining", None, lambda: tuple(alpha)),
+        Capability("wgrad", None, lambda: tuple(beta)),
     )
-    monkeypatch.setitem(sys.modules, "fake_checks", mod)
-    monkeypatch.setattr(doctor, "_CHECK_MODULES", ("fake_checks",))
-    return mod
+    monkeypatch.setattr(capabilities, "CAPABILITIES", table)
+    monkeypatch.setattr(doctor, "REGISTRY", PatchRegistry([]))
+    return alpha
 
 
-def test_crash_is_a_finding_and_verdict_follows_gradsafe_column(
-    fake_checks: types.ModuleType,
-) -> None:
+def test_crash_is_a_finding_and_verdict_follows_gradsafe_column(fake_table: list[Check]) -> None:
     report = doctor.run()
     assert [r.hazard for r in report.rows] == ["fine", "crashy", "other"]
     crash = report.rows[1].upstream
     assert crash.correct is False
-    assert crash.detail == "crash: RuntimeError: Trying to backward through the graph a second time"
+    assert crash.detail == f"crash: RuntimeError: {_LONG}"  # the whole first line, never cut
     assert report.ok
     assert "gradsafe removes every hazard above" in str(report)
 
 
-def test_only_selects_capabilities(fake_checks: types.ModuleType) -> None:
-    assert [r.hazard for r in doctor.run(["beta"]).rows] == ["other"]
+def test_only_selects_capabilities_and_refuses_unknown_names(fake_table: list[Check]) -> None:
+    assert [r.hazard for r in doctor.run(["wgrad"]).rows] == ["other"]
+    with pytest.raises(ValueError, match="unknown capability 'dtensr'; valid: pipelining, wgrad"):
+        doctor.run(["dtensr"])
 
 
-def test_a_wrong_or_unmeasured_gradsafe_row_fails_the_report(
-    fake_checks: types.ModuleType,
-) -> None:
-    fake_checks.CHECKS += (Check("bad", "alpha", _raise, _raise),)
+def test_a_wrong_unmeasured_or_empty_report_is_not_ok(fake_table: list[Check]) -> None:
+    fake_table.append(Check("bad", "pipelining", _raise, _raise))
     report = doctor.run()
     assert not report.ok and "NOT OK" in str(report)
-    fake_checks.CHECKS = (Check("pending", "alpha", lambda: Outcome(None, "x"), lambda: Outcome(None, "x")),)
+    fake_table[:] = [Check("pending", "pipelining", lambda: Outcome(None, "x"), lambda: Outcome(None, "x"))]
     assert not doctor.run().ok
+    fake_table.clear()
+    assert not doctor.run(["pipelining"]).ok  # no row ran: nothing was shown right
 
 
-def test_json_is_complete(fake_checks: types.ModuleType) -> None:
+def test_json_is_complete(fake_table: list[Check]) -> None:
     data = json.loads(json.dumps(doctor.run().as_json()))
     assert data["ok"] is True and data["torch"]
-    assert data["rows"][1]["upstream"]["correct"] is False
-    assert set(data["rows"][0]) == {"hazard", "capability", "upstream", "gradsafe", "seconds"}
+    assert data["rows"][1]["upstream"]["detail"].endswith("x" * 300)
+    assert set(data["rows"][0]) == {
+        "hazard", "capability", "upstream_source", "upstream", "gradsafe", "seconds"
+    }
+    assert data["rows"][2]["upstream_source"] == "model of another library's policy"
+
+
+def test_table_fits_the_width_and_labels_modelled_upstreams(fake_table: list[Check]) -> None:
+    report = doctor.run()
+    narrow = report.render(100)
+    assert max(len(line) for line in narrow.splitlines() if " | " in line) <= 100
+    assert "--json" in narrow  # cut cells point to the whole text
+    assert "*WRONG: 2x" in narrow
+    assert "* upstream column: model of another library's policy" in narrow
+    wide = report.render(None)
+    assert _LONG in wide
 
 
 def _value() -> str:
@@ -74,9 +97,8 @@ def test_patched_check_runs_upstream_then_patched(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "fake_target", mod)
     fixed = Patch("alpha", "fix", lambda: [AttrTarget("fake_target", "value", lambda: "fixed")])
     noop = Patch("beta", "no-op", lambda: Skip("verified: upstream already right"))
-    monkeypatch.setattr(patching, "_CAPABILITY_MODULES", {"alpha": "", "beta": ""})
-    monkeypatch.setattr(patching, "_ENTRIES", {p.name: patching.Patcher(p) for p in (fixed, noop)})
-    monkeypatch.setattr(patching, "_HANDLES", [])
+    registry = PatchRegistry([fixed, noop])
+    monkeypatch.setattr(doctor, "REGISTRY", registry)
 
     def repro() -> Outcome:
         got = mod.value()
@@ -86,55 +108,54 @@ def test_patched_check_runs_upstream_then_patched(monkeypatch: pytest.MonkeyPatc
     assert check.upstream() == Outcome(False, "upstream")
     assert check.gradsafe() == Outcome(True, "fixed")
     assert mod.value is _value
-    with patching.patch("alpha"):  # upstream cannot be measured while patched
+    with registry.patch("alpha"):  # upstream cannot be measured while patched
         assert check.upstream().correct is None
     skipped = patched_check("h", "beta", "beta", repro).gradsafe()
     assert skipped.correct is False  # a skipped patch is still measured, not assumed right
     assert "patch skipped: verified: upstream already right" in skipped.detail
 
 
-def test_cli_json_exit_code_matches_verdict() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsafe", "doctor", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def _cli(*args: str, numpy: bool = True) -> subprocess.CompletedProcess[str]:
+    prelude = "" if numpy else "import sys; sys.modules['numpy'] = None; "
+    code = prelude + "import sys; from gradsafe.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
     )
+
+
+def test_cli_json_exit_code_matches_verdict_and_lists_patches() -> None:
+    proc = _cli("doctor", "--json")
     data = json.loads(proc.stdout)
     assert {row["capability"] for row in data["rows"]} == {
-        "pipelining",
-        "dtensor",
-        "cuda_graphs",
-        "wgrad",
+        "pipelining", "dtensor", "cuda_graphs", "wgrad"
     }
+    assert [p["name"] for p in data["patches"]] == ["pipelining", "dtensor", "cuda_graphs"]
     assert proc.returncode == (0 if data["ok"] else 1), proc.stderr
 
 
-def test_cli_status_lists_every_patch() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsafe", "status"], capture_output=True, text=True, check=True
-    )
-    for name in patching.patch_names():
-        assert proc.stdout.count(f"{name}:") >= 1
+def test_cli_refuses_unknown_capability_and_lists_valid_ones() -> None:
+    proc = _cli("doctor", "--only", "dtensr")
+    assert proc.returncode == 2
+    assert "invalid choice: 'dtensr'" in proc.stderr and "wgrad" in proc.stderr
 
 
-def test_runs_without_numpy() -> None:
+def test_cli_help_and_version_are_plain_text() -> None:
+    import gradsafe
+
+    for args in (("--help",), ("doctor", "--help")):
+        proc = _cli(*args)
+        assert proc.returncode == 0 and "``" not in proc.stdout and ":func:" not in proc.stdout
+    listed = " ".join(_cli("doctor", "--help").stdout.split())
+    assert "pipelining, dtensor, cuda_graphs, wgrad" in listed
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"gradsafe {gradsafe.__version__}"
+
+
+def test_runs_without_numpy_and_says_nothing_about_it() -> None:
     """numpy is not a dependency of torch or gradsafe: patching and the doctor must not need it."""
-    code = (
-        "import sys, json\n"
-        "sys.modules['numpy'] = None  # makes `import numpy` fail\n"
-        "import gradsafe\n"
-        "with gradsafe.patch():\n"
-        "    pass\n"
-        "from gradsafe import doctor\n"
-        "report = doctor.run()\n"
-        "print(json.dumps(report.as_json()))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout.splitlines()[-1])["rows"]
-    crashed = [r["hazard"] for r in rows if "No module named 'numpy'" in r["gradsafe"]["detail"]]
+    proc = _cli("doctor", "--json", numpy=False)
+    assert "NumPy" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    crashed = [r["hazard"] for r in data["rows"] if "numpy" in r["gradsafe"]["detail"].lower()]
     assert not crashed
-    assert all(r["gradsafe"]["correct"] for r in rows), rows
+    assert data["ok"], data["rows"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree
 
-from gradsafe import patching
+from gradsafe.capabilities import REGISTRY
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs._structure import UnsupportedTorchError, find_graphed_site
 
@@ -25,7 +25,7 @@ __all__ = ["Ownership", "UnsupportedTorchError", "make_graphed_callables"]
 
 
 def _upstream() -> Any:
-    return patching.get_original("torch.cuda.graphs", "make_graphed_callables")
+    return REGISTRY.get_original("torch.cuda.graphs", "make_graphed_callables")
 
 
 def make_graphed_callables(

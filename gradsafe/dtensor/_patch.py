@@ -1,4 +1,4 @@
-"""The ``dtensor`` patch: every slot it replaces, listed in one place.
+"""The ``dtensor`` patch: every slot it replaces, listed in one place (``plan()``).
 
 Targets, decided when ``gradsafe.patch("dtensor")`` is applied:
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gradsafe.patching import MISSING, ItemTarget, Patch, Skip, Target
+from gradsafe.patching import MISSING, ItemTarget, Skip, Target
 
-__all__ = ["PATCH"]
+__all__ = ["after_change", "plan"]
 
 
-def _plan() -> Sequence[Target] | Skip:
+def plan() -> Sequence[Target] | Skip:
     from gradsafe.dtensor import _torch
     from gradsafe.dtensor._probe import probe_propagator
     from gradsafe.dtensor._strategy import empty_factory_strategy
@@ -64,18 +64,8 @@ def _plan() -> Sequence[Target] | Skip:
     return targets
 
 
-def _clear_caches() -> None:
+def after_change() -> None:
+    """Forget cached sharding decisions after applying and after restoring."""
     from gradsafe.dtensor._torch import clear_sharding_caches
 
     clear_sharding_caches()
-
-
-PATCH = Patch(
-    name="dtensor",
-    summary=(
-        "DTensor new_empty/new_empty_strided keep the input's placements (Partial included), "
-        "so autograd's layout fix-up never all-reduces a Partial gradient"
-    ),
-    plan=_plan,
-    after_change=_clear_caches,
-)

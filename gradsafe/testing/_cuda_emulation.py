@@ -18,7 +18,8 @@ from typing import Final
 
 import torch
 
-from gradsafe.patching import AttrTarget, Patch, Patcher
+from gradsafe.capabilities import REGISTRY
+from gradsafe.patching import AttrTarget, Target
 from gradsafe.testing._graph_recorder import GraphRecording, RecordingMode
 
 __all__ = [
@@ -265,15 +266,9 @@ _SLOTS: Final = (
     ("torch.cuda.graphs", "is_current_stream_capturing", _is_current_stream_capturing),
 )
 
-# The same reference-counted, exact-object undo as gradsafe.patch(), but not
-# one of its names: emulation is for tests, never part of patch().
-_EMULATION: Final = Patcher(
-    Patch(
-        name="emulate_cuda_graphs",
-        summary="CPU stand-ins for torch.cuda's graph, stream and pool API",
-        plan=lambda: [AttrTarget(module, attr, stand_in) for module, attr, stand_in in _SLOTS],
-    )
-)
+def plan() -> list[Target]:
+    """The slots emulation replaces (the registry's ``cuda_graphs_emulation`` patch)."""
+    return [AttrTarget(module, attr, stand_in) for module, attr, stand_in in _SLOTS]
 
 
 @contextmanager
@@ -315,12 +310,7 @@ def emulate_cuda_graphs() -> Iterator[None]:
             graphed = torch.cuda.make_graphed_callables(model, (torch.randn(8, 16),))
             graphed(x).sum().backward()
     """
-    if not _EMULATION.acquire():
-        raise RuntimeError(
-            f"emulate_cuda_graphs cannot run on torch {torch.__version__}: {_EMULATION.skipped}. "
-            "Emulate on a torch with the CUDA-graph API in torch.cuda.graphs (2.10 or newer)."
-        )
-    try:
+    # The same registry as gradsafe.patch(), so get_original() and
+    # is_object_patched() see the stand-ins; not one of patch()'s names.
+    with REGISTRY.hold("cuda_graphs_emulation"):
         yield
-    finally:
-        _EMULATION.release()

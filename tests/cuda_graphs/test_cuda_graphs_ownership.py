@@ -18,11 +18,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsafe
 from gradsafe.cuda_graphs import UnsupportedTorchError, make_graphed_callables
+from gradsafe.cuda_graphs._hazards import (
+    ALIASED,
+    EXPECTED,
+    SEED_X1,
+    SEED_X2,
+    ScaleByWeight,
+    seed_grads,
+)
 from gradsafe.testing import emulate_cuda_graphs
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
-SEED_X1 = [[1.0, 2, 3, 4], [2, 3, 4, 5]]
-SEED_X2 = [[10.0, 20, 30, 40], [1, 2, 3, 4]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +68,6 @@ def _always(*args: Any, **kwargs: Any) -> Any:
 SAFE = [pytest.param(gradsafe_mgc, id="auto"), pytest.param(_always, id="always")]
 
 
-class ScaleByWeight(torch.nn.Module):
-    def __init__(self, env: Env, width: int = 4) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.arange(1.0, width + 1, device=env.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
 def mlp(env: Env, width: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width)
@@ -106,20 +103,16 @@ def assert_close_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def _seed(env: Env, mgc: Callable[..., Any]) -> list[float]:
-    model = ScaleByWeight(env)
-    graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
-    graphed(env.tensor(SEED_X1)).sum().backward()
-    graphed(env.tensor(SEED_X2)).sum().backward()
-    return model.weight.grad.tolist()
+    return seed_grads(mgc, env.device)
 
 
 def test_seed_repro_upstream_aliases(env: Env) -> None:
-    assert _seed(env, upstream_mgc) == [22.0, 44.0, 66.0, 88.0]
+    assert _seed(env, upstream_mgc) == ALIASED
 
 
 @pytest.mark.parametrize("mgc", SAFE)
 def test_seed_repro_gradsafe_accumulates(env: Env, mgc: Callable[..., Any]) -> None:
-    assert _seed(env, mgc) == [14.0, 27.0, 40.0, 53.0]
+    assert _seed(env, mgc) == EXPECTED
 
 
 # --- leaf inputs ----------------------------------------------------------------------------
@@ -164,7 +157,7 @@ def test_leaf_input_through_pass_through_node(env: Env) -> None:
 
 
 def _hook_keeps(env: Env, mgc: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    model = ScaleByWeight(env)
+    model = ScaleByWeight(env.device)
     graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
     model.weight.grad = torch.zeros_like(model.weight)  # in-place accumulation path
     kept: list[torch.Tensor] = []
@@ -208,7 +201,7 @@ def test_nonleaf_input_hook(env: Env, mgc: Callable[..., Any]) -> None:
 
 @pytest.mark.parametrize("mgc", [pytest.param(upstream_mgc, id="upstream"), *SAFE])
 def test_autograd_grad_returns_owned(env: Env, mgc: Callable[..., Any]) -> None:
-    model = ScaleByWeight(env)
+    model = ScaleByWeight(env.device)
     graphed = mgc(model, (torch.ones(2, 4, device=env.device),))
     model.weight.grad = torch.zeros_like(model.weight)
     x1 = env.tensor(SEED_X1)
@@ -367,7 +360,7 @@ def test_requires_grad_false_input(env: Env, mgc: Callable[..., Any]) -> None:
 
 @pytest.mark.parametrize("mgc", SAFE)
 def test_allow_unused_input(env: Env, mgc: Callable[..., Any]) -> None:
-    model = ScaleByWeight(env)
+    model = ScaleByWeight(env.device)
 
     class Unused(torch.nn.Module):
         def __init__(self) -> None:
@@ -402,7 +395,7 @@ def _mark_te(p: torch.nn.Parameter) -> None:
 def test_delayed_wgrad_param_keeps_alias(
     env: Env, mgc: Callable[..., Any], mark: Callable[[torch.nn.Parameter], None]
 ) -> None:
-    marked, plain = ScaleByWeight(env), ScaleByWeight(env)
+    marked, plain = ScaleByWeight(env.device), ScaleByWeight(env.device)
     mark(marked.weight)
 
     class Both(torch.nn.Module):
@@ -501,7 +494,7 @@ def test_ownership_clone_counts(
 
 def test_invalid_ownership_rejected(env: Env) -> None:
     with pytest.raises(ValueError, match="ownership must be one of"):
-        make_graphed_callables(ScaleByWeight(env), (torch.ones(2, 4),), ownership="sometimes")
+        make_graphed_callables(ScaleByWeight(env.device), (torch.ones(2, 4),), ownership="sometimes")
 
 
 # --- patch and unsupported structures (no graphs needed beyond emulation) -------------------

@@ -18,7 +18,7 @@ from torch.torch_version import TorchVersion
 
 import gradsafe
 from gradsafe.dtensor import _torch, probe_propagator
-from gradsafe.patching import MISSING
+from gradsafe.patching import MISSING, PatchRegistry
 
 
 def _seed_backward(mesh: DeviceMesh) -> tuple[tuple[object, ...], dict[str, int]]:
@@ -50,9 +50,11 @@ def test_prefix_strategy_reproduces_and_gradsafe_fixes(fake_meshes, prefix_strat
     # The first run also fills the sharding caches with the pre-fix decision:
     # the fix showing up on the very next backward proves they were cleared.
     assert _seed_backward(mesh) == BUG
-    with gradsafe.patch("dtensor") as handle:
+    # A fresh registry: the process's one cached its decision for the real tables.
+    registry = PatchRegistry([gradsafe.capabilities.DTENSOR])
+    with registry.patch("dtensor") as handle:
         assert handle.names == ("dtensor",)
-        assert gradsafe.status()["dtensor"].active
+        assert registry.status()["dtensor"].active
         assert _seed_backward(mesh) == FIXED
     assert _seed_backward(mesh) == BUG
     after = _tables()
@@ -65,7 +67,7 @@ def test_prefix_strategy_reproduces_and_gradsafe_fixes(fake_meshes, prefix_strat
 
 
 def test_patch_plan_shadows_a_single_dim_entry(prefix_strategy) -> None:
-    plan = gradsafe.patching._entry("dtensor").patch.plan()
+    plan = gradsafe.capabilities.DTENSOR.plan()
     assert not isinstance(plan, gradsafe.patching.Skip)
     wheres = [target.where for target in plan]
     single = _torch.single_dim_strategy_table() or {}

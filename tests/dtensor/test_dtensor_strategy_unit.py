@@ -98,7 +98,7 @@ def test_initialised_factories_keep_upstream_strategy() -> None:
 def test_after_change_clears_python_and_native_caches(fake_meshes) -> None:
     from torch.distributed.tensor.debug import _get_fast_path_sharding_prop_cache_stats as native
 
-    after_change = gradsafe.patching._entry("dtensor").patch.after_change
+    after_change = gradsafe.capabilities.DTENSOR.after_change
     x = DTensor.from_local(torch.ones(4), fake_meshes[1], [Replicate()])
     x + x
     hits, misses = native()
@@ -149,7 +149,7 @@ def test_patch_skips_when_copy_would_communicate(prefix_strategy) -> None:
     if single is not None:
         single.pop(copy, None)
     try:
-        plan = gradsafe.patching._entry("dtensor").patch.plan()
+        plan = gradsafe.capabilities.DTENSOR.plan()
     finally:
         for where, value in zip((table, single), saved):
             if where is not None:

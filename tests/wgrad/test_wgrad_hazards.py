@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradsafe.wgrad import WeightGradStore, fused_linear, wgrad_return
-from gradsafe.wgrad._doctor import _te_policy, _TEStyleStore
+from gradsafe.wgrad._hazards import _te_policy, _TEStyleStore
 from gradsafe.wgrad._emulation import Config, compare, reference, run_config
 
 NOW_FUSED_FLAG = Config(delayed=False, fused=True, has_flag=True)

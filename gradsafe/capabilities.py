@@ -1,0 +1,134 @@
+"""The capability table: every patch and every hazard reproduction gradsafe has, in one place.
+
+``patch()``, ``status()``, the doctor and the tests all read this table.
+Each capability keeps its patch targets in ``gradsafe/<capability>/_patch.py``
+(a ``plan()`` that probes the installed torch) and its hazard reproductions in
+``gradsafe/<capability>/_hazards.py`` (the doctor's ``CHECKS``). Both are
+imported only when used, so ``import gradsafe`` loads no capability code and
+replaces nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, Literal
+
+from gradsafe.patching import Patch, PatchRegistry, Plan
+
+if TYPE_CHECKING:
+    from gradsafe.doctor import Check
+
+__all__ = ["CAPABILITIES", "Capability", "CapabilityName", "PatchName", "REGISTRY"]
+
+#: The names ``gradsafe.patch()`` accepts.
+PatchName = Literal["pipelining", "dtensor", "cuda_graphs"]
+#: The doctor's capabilities: the patches, and ``wgrad`` (a library kernels call; no patch).
+CapabilityName = Literal["pipelining", "dtensor", "cuda_graphs", "wgrad"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One capability: its patch (None for ``wgrad``) and its doctor rows."""
+
+    name: CapabilityName
+    patch: Patch | None
+    hazards: Callable[[], tuple[Check, ...]]
+
+
+# -- patches: each plan is the capability's own _patch.plan(), imported on first use --
+
+
+def _pipelining_plan() -> Plan:
+    from gradsafe.pipelining import _patch
+
+    return _patch.plan()
+
+
+def _dtensor_plan() -> Plan:
+    from gradsafe.dtensor import _patch
+
+    return _patch.plan()
+
+
+def _dtensor_after_change() -> None:
+    from gradsafe.dtensor import _patch
+
+    _patch.after_change()
+
+
+def _cuda_graphs_plan() -> Plan:
+    from gradsafe.cuda_graphs import _patch
+
+    return _patch.plan()
+
+
+def _emulation_plan() -> Plan:
+    from gradsafe.testing import _cuda_emulation
+
+    return _cuda_emulation.plan()
+
+
+PIPELINING: Final = Patch(
+    "pipelining",
+    "split backward (B/W) for zero-bubble schedules that equals a fused backward, "
+    "with weight grads through AccumulateGrad (H1)",
+    _pipelining_plan,
+)
+DTENSOR: Final = Patch(
+    "dtensor",
+    "DTensor new_empty/new_empty_strided keep the input's placements, so autograd's "
+    "layout fix-up never all-reduces a Partial gradient (H2)",
+    _dtensor_plan,
+    _dtensor_after_change,
+)
+CUDA_GRAPHS: Final = Patch(
+    "cuda_graphs",
+    "make_graphed_callables returns owned gradients instead of CUDA-graph static buffers (H3)",
+    _cuda_graphs_plan,
+)
+#: Not one of patch()'s names: applied only by gradsafe.testing.emulate_cuda_graphs().
+CUDA_GRAPHS_EMULATION: Final = Patch(
+    "cuda_graphs_emulation",
+    "CPU stand-ins for torch.cuda's graph, stream and pool API (gradsafe.testing)",
+    _emulation_plan,
+)
+
+#: The process's one patch registry.
+REGISTRY: Final = PatchRegistry([PIPELINING, DTENSOR, CUDA_GRAPHS], testing=[CUDA_GRAPHS_EMULATION])
+
+
+# -- hazard reproductions (the doctor's rows) ------------------------------------------
+
+
+def _pipelining_hazards() -> tuple[Check, ...]:
+    from gradsafe.pipelining._hazards import CHECKS
+
+    return CHECKS
+
+
+def _dtensor_hazards() -> tuple[Check, ...]:
+    from gradsafe.dtensor._hazards import CHECKS
+
+    return CHECKS
+
+
+def _cuda_graphs_hazards() -> tuple[Check, ...]:
+    from gradsafe.cuda_graphs._hazards import CHECKS
+
+    return CHECKS
+
+
+def _wgrad_hazards() -> tuple[Check, ...]:
+    from gradsafe.wgrad._hazards import CHECKS
+
+    return CHECKS
+
+
+#: In the order the doctor shows them.
+CAPABILITIES: Final[tuple[Capability, ...]] = (
+    Capability("pipelining", PIPELINING, _pipelining_hazards),
+    Capability("dtensor", DTENSOR, _dtensor_hazards),
+    Capability("cuda_graphs", CUDA_GRAPHS, _cuda_graphs_hazards),
+    Capability("wgrad", None, _wgrad_hazards),
+)

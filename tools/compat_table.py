@@ -1,0 +1,55 @@
+"""Print the README's compatibility table from ``gradsafe doctor --json`` run on several torch installs.
+
+Usage: ``python tools/compat_table.py PYTHON [PYTHON ...]`` where each PYTHON is an
+interpreter with a torch installed (e.g. each nox session's venv); gradsafe is
+taken from this checkout. Every cell is what that interpreter's doctor measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doctor(python: str) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [python, "-m", "gradsafe", "doctor", "--json"], capture_output=True, text=True, env=env,
+        timeout=600,
+    )
+    return json.loads(proc.stdout)
+
+
+def verdict(outcome: dict[str, object]) -> str:
+    correct = outcome["correct"]
+    detail = str(outcome["detail"])
+    if correct is True:
+        return "right"
+    if correct is None:
+        return "n/a"
+    return "crash" if detail.startswith("crash") else "WRONG"
+
+
+def main(pythons: list[str]) -> None:
+    reports = [doctor(p) for p in pythons]
+    versions = [str(r["torch"]).split("+")[0] for r in reports]
+    hazards = list(dict.fromkeys(row["hazard"] for r in reports for row in r["rows"]))  # type: ignore[index]
+    print("| hazard | " + " | ".join(f"torch {v}: upstream / gradsafe" for v in versions) + " |")
+    print("|---" * (len(versions) + 1) + "|")
+    for hazard in hazards:
+        cells = []
+        for report in reports:
+            rows = [row for row in report["rows"] if row["hazard"] == hazard]  # type: ignore[index]
+            cells.append(
+                f"{verdict(rows[0]['upstream'])} / {verdict(rows[0]['gradsafe'])}" if rows else "–"
+            )
+        print(f"| {hazard} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
