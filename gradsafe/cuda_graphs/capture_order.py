@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -50,7 +50,8 @@ class Rule(enum.Enum):
     WGRAD_AFTER_DGRAD = "wgrad-after-its-dgrad"
     ONE_WGRAD_PER_DGRAD = "one-wgrad-per-dgrad"
     WGRAD_ONLY_FOR_DELAYED_CHUNKS = "wgrad-only-for-delayed-chunks"
-    # Megatron's stricter rule (optional): a chunk's wgrad comes before that chunk's next dgrad.
+    # Optional (strict=True): a chunk's wgrad comes before that chunk's next dgrad. It is what
+    # TransformerEngine's wgrad matching needs; Megatron-built orders satisfy it.
     WGRAD_BEFORE_NEXT_DGRAD = "wgrad-before-next-dgrad"
     # What TransformerEngine's list format can express.
     TE_FORMAT = "transformer-engine-format"
@@ -117,8 +118,9 @@ class CaptureOrder:
         delayed_wgrad_chunks: chunks that have a delayed-wgrad module, i.e.
             whose weight gradients are their own graph. Default: the chunks
             that have a wgrad entry.
-        strict: also enforce Megatron's rule that a chunk's wgrad is captured
-            before that chunk's next dgrad.
+        strict: also require each wgrad to be captured before its chunk's
+            next dgrad (the stricter rule Megatron's orders follow, and what
+            TransformerEngine's list format can express).
         stage_indices: for an order derived from a pipeline schedule, the
             schedule's stage index of each chunk (chunk ``i`` is
             ``stage_indices[i]``); empty otherwise.
@@ -157,7 +159,7 @@ class CaptureOrder:
         object.__setattr__(self, "stage_indices", tuple(stage_indices))
         _validate(self)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[CaptureEntry]:
         return iter(self.entries)
 
     def __len__(self) -> int:
@@ -289,8 +291,8 @@ class CaptureOrder:
         TransformerEngine gives a chunk's forwards and dgrads microbatches in
         the order they appear and matches a wgrad entry to its chunk's most
         recent dgrad, so every chunk must run microbatches ``0, 1, ...`` in
-        order, the same number of them, and (Megatron's rule) each wgrad must
-        come before its chunk's next dgrad.
+        order, the same number of them, and each wgrad must come before its
+        chunk's next dgrad (the ``strict`` rule).
 
         Raises:
             CaptureOrderError: the order cannot be expressed in TransformerEngine's format.
@@ -489,8 +491,8 @@ def _validate(order: CaptureOrder) -> None:
                     Rule.WGRAD_BEFORE_NEXT_DGRAD,
                     position,
                     f"{e} comes before the wgrad of chunk {e.chunk} microbatch {microbatch} "
-                    f"(dgrad at position {earlier}); strict (Megatron's) order captures each wgrad "
-                    "before its chunk's next dgrad",
+                    f"(dgrad at position {earlier}); a strict order captures each wgrad before its "
+                    "chunk's next dgrad",
                 )
             dgrad_at[key] = position
             if e.chunk in order.delayed_wgrad_chunks:

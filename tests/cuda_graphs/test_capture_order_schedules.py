@@ -128,6 +128,16 @@ def test_schedule_missing_its_w_is_refused() -> None:
     assert (info.value.rule, info.value.position) == (Rule.ONE_WGRAD_PER_DGRAD, 4)
 
 
+def test_schedule_1f1b_last_rank_description_is_refused() -> None:
+    # Schedule1F1B.pipeline_order[last rank] on torch 2.10-2.15 (2 ranks, 4 microbatches): its
+    # steady state starts at F1, so F0 is missing and F4 is out of range. 1F1B runs a fixed loop,
+    # not this list; an order derived from it would be wrong, and is refused.
+    listed = ["1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1F4", "1B3", "1REDUCE_GRAD"]
+    with pytest.raises(CaptureOrderError) as info:
+        CaptureOrder.from_actions(listed)
+    assert (info.value.rule, info.value.position) == (Rule.FORWARD_BEFORE_DGRAD, 1)
+
+
 def test_from_schedule_errors() -> None:
     with pytest.raises(TypeError, match="no per-rank action list"):
         CaptureOrder.from_schedule(object(), 0)
