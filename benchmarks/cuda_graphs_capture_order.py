@@ -6,9 +6,10 @@ capture order :class:`gradsafe.cuda_graphs.CaptureOrder` derives from the
 schedule's action list (no process group, no GPU), and side by side what
 TransformerEngine's ``_order`` list makes of the same order written by hand
 (``c``, ``-c``, ``-c-0.5``): whether its count-only validation (modelled)
-accepts it, and how many wgrad entries its index arithmetic (modelled) matches
-to a different microbatch than the schedule runs. gradsafe either converts
-the order exactly (``to_te_order``) or refuses it with the rule it breaks.
+accepts it, how many wgrad entries its index arithmetic (modelled) matches
+to a different microbatch than the schedule runs, and whether gradsafe's
+``from_te_order`` parses that list. ``to_te_order`` either converts the
+derived order exactly or refuses it with the rule it breaks.
 
 Run: ``PYTHONPATH=. python benchmarks/cuda_graphs_capture_order.py``
 """
@@ -29,7 +30,7 @@ RANKS = (2, 4)
 
 def hand_written_te(order: CaptureOrder) -> list[float]:
     sign = {EntryKind.FORWARD: 1, EntryKind.DGRAD: -1, EntryKind.WGRAD: -1}
-    half = {EntryKind.FORWARD: 0.0, EntryKind.DGRAD: 0.0, EntryKind.WGRAD: -0.5}
+    half = {EntryKind.FORWARD: 0, EntryKind.DGRAD: 0, EntryKind.WGRAD: -0.5}
     return [sign[e.kind] * (e.chunk + 1) + half[e.kind] for e in order]
 
 
@@ -50,15 +51,21 @@ def report(schedule_cls: type, ranks: int) -> None:
         te_matched = [(c - 1, mb) for _, c, mb in te_wgrad_matches(floats)]
         wrong = sum(a != b for a, b in zip(te_matched, wgrads))
         try:
+            CaptureOrder.from_te_order(floats)
+            parsed = "parses it"
+        except CaptureOrderError as exc:
+            parsed = f"refuses it at position {exc.position} [{exc.rule.value}]"
+        try:
             exact = "to_te_order: " + " ".join(_fmt(v) for v in order.to_te_order().order)
         except CaptureOrderError as exc:
             exact = f"to_te_order refused: {exc}"
         chunks = ", ".join(f"c{i}=stage {s}" for i, s in enumerate(order.stage_indices))
         print(f"rank {rank} ({chunks}): {len(order)} graphs")
         print(f"  {order}")
+        print(f"  hand-written TE list: {' '.join(_fmt(v) for v in floats)}")
         print(
-            f"  hand-written TE list: count check {te_verdict}; "
-            f"wgrad matched to the wrong microbatch: TE {wrong}/{len(wgrads)} | gradsafe 0/{len(wgrads)}"
+            f"    TE (modelled): count check {te_verdict}, wgrad entries matched to another "
+            f"microbatch {wrong}/{len(wgrads)} | gradsafe from_te_order {parsed}"
         )
         print(f"  {exact}")
 
