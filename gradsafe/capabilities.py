@@ -114,9 +114,9 @@ def _dtensor_hazards() -> tuple[Check, ...]:
 
 
 def _cuda_graphs_hazards() -> tuple[Check, ...]:
-    from gradsafe.cuda_graphs._hazards import CHECKS
+    from gradsafe.cuda_graphs import _capture_order_hazards, _hazards
 
-    return CHECKS
+    return _hazards.CHECKS + _capture_order_hazards.CHECKS
 
 
 def _wgrad_hazards() -> tuple[Check, ...]:

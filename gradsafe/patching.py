@@ -410,8 +410,8 @@ class PatchRegistry:
                 if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
                     return record.original
             current = getattr(importlib.import_module(module), attr)
-            record = self._originals.get((f"{module}.{attr}", ""))
-            return record[1] if record is not None and current is record[0] else current
+            known = self._originals.get((f"{module}.{attr}", ""))
+            return known[1] if known is not None and current is known[0] else current
 
     def is_object_patched(self, module: str, attr: str) -> bool:
         """Whether ``module.attr`` currently holds a replacement gradsafe applied."""
@@ -501,8 +501,8 @@ class PatchRegistry:
         try:
             for target in plan:
                 current = target.read()
-                record = self._originals.get(_slot(target))
-                original = record[1] if record is not None and current is record[0] else current
+                known = self._originals.get(_slot(target))
+                original = known[1] if known is not None and current is known[0] else current
                 target.write(target.replacement)
                 done.append(_Applied(target, original))
                 self._originals[_slot(target)] = (target.replacement, original)

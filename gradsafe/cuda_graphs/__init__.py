@@ -18,10 +18,28 @@ import torch
 import torch.utils._pytree
 
 from gradsafe.capabilities import REGISTRY
+from gradsafe.cuda_graphs.capture_order import (
+    CaptureEntry,
+    CaptureOrder,
+    CaptureOrderError,
+    EntryKind,
+    Rule,
+    TEOrder,
+)
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs._structure import UnsupportedTorchError, find_graphed_site
 
-__all__ = ["Ownership", "UnsupportedTorchError", "make_graphed_callables"]
+__all__ = [
+    "CaptureEntry",
+    "CaptureOrder",
+    "CaptureOrderError",
+    "EntryKind",
+    "Ownership",
+    "Rule",
+    "TEOrder",
+    "UnsupportedTorchError",
+    "make_graphed_callables",
+]
 
 
 def _upstream() -> Any:

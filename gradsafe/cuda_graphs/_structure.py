@@ -96,7 +96,7 @@ def _find_cell(returned: object) -> types.CellType:
     return cell
 
 
-def _leading_arguments(graphed_cls: type) -> int:
+def _leading_arguments(graphed_cls: type[torch.autograd.Function]) -> int:
     """How many positional arguments ``forward`` takes between ``ctx`` and ``*inputs``."""
     params = list(inspect.signature(graphed_cls.forward).parameters.values())
     kinds = [p.kind for p in params]
@@ -120,7 +120,7 @@ class _NoReplay:
         pass
 
 
-def _dry_backward(graphed_cls: type) -> object:
+def _dry_backward(graphed_cls: type[torch.autograd.Function]) -> object:
     """Run upstream's graphed backward without replaying its graph, and return what it returns.
 
     The backward copies incoming gradients into its static gradient buffers,
