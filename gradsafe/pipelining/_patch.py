@@ -85,12 +85,13 @@ def _call_site_mismatch(stage: Any, backward: Any) -> str | None:
         ):
             return f"{where} calls {name} with *args/**kwargs, which gradsafe cannot check"
         keywords = [k.arg for k in call.keywords if k.arg is not None]
+        signature = inspect.signature(_OURS[name])
         try:
-            inspect.signature(_OURS[name]).bind(*call.args, **dict.fromkeys(keywords))
+            signature.bind(*call.args, **dict.fromkeys(keywords))
         except TypeError as exc:
             return (
                 f"{where} calls {name} with {len(call.args)} positional argument(s) and keywords "
-                f"{keywords}, which gradsafe's {name}{inspect.signature(_OURS[name])} does not "
+                f"{keywords}, which gradsafe's {name}({', '.join(signature.parameters)}) does not "
                 f"accept ({exc})"
             )
     missing = [name for name in _REQUIRED_CALLS if name not in seen]
