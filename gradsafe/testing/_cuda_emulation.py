@@ -3,7 +3,9 @@
 Everything here runs on CPU tensors: capture records aten ops
 (:mod:`gradsafe.testing._graph_recorder`), replay rewrites the captured tensors
 in place. Streams and events are ordering no-ops because the CPU runs ops in
-program order; synchronisation is therefore trivially satisfied.
+program order; what they still do is refuse, during a capture, the calls a
+real capture refuses (synchronising, querying, issuing work on the default
+stream), with the error a GPU raises.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from typing import Final
 import torch
 
 from gradsafe.patching import AttrTarget, Patch, Patcher
-from gradsafe.testing._graph_recorder import GraphRecording, RecordingMode
+from gradsafe.testing._graph_recorder import (
+    INVALIDATED,
+    GraphRecording,
+    HostReadRefusalMode,
+    RecordingMode,
+    capture_error,
+)
 
 __all__ = [
     "EmulatedCUDAGraph",
@@ -31,6 +39,15 @@ __all__ = [
 
 _pool_ids = itertools.count(1)
 _stream_ids = itertools.count(1)
+
+
+_SYNC_FIX: Final = "Synchronise before capture_begin() or after capture_end(), never inside the capture."
+
+
+def _refuse_while_capturing(what: str) -> None:
+    graph = _STATE.capturing
+    if graph is not None:
+        raise graph.refuse(what, _SYNC_FIX)
 
 
 def _new_pool_handle() -> tuple[int, int]:
@@ -58,10 +75,11 @@ class EmulatedStream:
         return event
 
     def query(self) -> bool:
+        _refuse_while_capturing("Stream.query()")
         return True
 
     def synchronize(self) -> None:
-        pass
+        _refuse_while_capturing("Stream.synchronize() waits for the device")
 
     def __repr__(self) -> str:
         return f"<EmulatedStream {self.stream_id}>"
@@ -80,12 +98,14 @@ class EmulatedEvent:
         pass
 
     def query(self) -> bool:
+        _refuse_while_capturing("Event.query()")
         return True
 
     def synchronize(self) -> None:
-        pass
+        _refuse_while_capturing("Event.synchronize() waits for the device")
 
     def elapsed_time(self, end_event: EmulatedEvent) -> float:
+        _refuse_while_capturing("Event.elapsed_time() waits for both events")
         if self._when is None or end_event._when is None:
             raise RuntimeError("emulated Event.elapsed_time: both events must be recorded first")
         return (end_event._when - self._when) * 1000.0
@@ -129,7 +149,7 @@ def _default_stream(device: object = None) -> EmulatedStream:
 
 
 def _synchronize(device: object = None) -> None:
-    pass
+    _refuse_while_capturing("torch.cuda.synchronize() waits for the device")
 
 
 def _empty_cache() -> None:
@@ -148,14 +168,19 @@ class EmulatedCUDAGraph:
     """Stand-in for :class:`torch.cuda.CUDAGraph` with real static-memory semantics.
 
     ``capture_begin``/``capture_end`` record every aten op run in between (on
-    this thread); ``replay`` re-runs them, reading the captured input tensors as
-    they are *now* and writing results into the captured output tensors in place.
+    this thread) and then undo the capture's writes to memory it did not
+    allocate; ``replay`` re-runs the ops, reading the captured input memory as
+    it is *now* and writing results into the captured output memory in place.
+    The checks of torch's ``CUDAGraph`` (non-default capture stream, one
+    capture per instance, end on the capture stream) apply.
     """
 
     def __init__(self, keep_graph: bool = False) -> None:
         self._recording: GraphRecording | None = None
-        self._mode: RecordingMode | None = None
+        self._modes: tuple[RecordingMode, HostReadRefusalMode] | None = None
         self._pool: tuple[int, int] | None = None
+        self._stream: EmulatedStream | None = None
+        self._captured = False
 
     def capture_begin(
         self,
@@ -163,32 +188,75 @@ class EmulatedCUDAGraph:
         capture_error_mode: str = "global",
         check_input_liveness: bool = False,
     ) -> None:
+        if self._captured:
+            raise RuntimeError(
+                "This CUDAGraph instance already owns a captured graph. "
+                "To capture a new graph, create a new instance. (emulated)"
+            )
         if _STATE.capturing is not None:
             raise RuntimeError("emulated CUDAGraph: another capture is already underway")
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise RuntimeError(f"emulated CUDAGraph: unknown capture_error_mode {capture_error_mode!r}")
+        if _STATE.current is _STATE.default:
+            raise RuntimeError(
+                "CUDA graphs must be captured on a non-default stream. (However, after capture, "
+                "it's ok to replay them on the default stream.) (emulated: enter "
+                "torch.cuda.stream(torch.cuda.Stream()) first, or use torch.cuda.graph)"
+            )
         self._pool = pool if pool is not None else _new_pool_handle()  # type: ignore[assignment]
-        self._recording = GraphRecording()
-        self._mode = RecordingMode(self._recording)
+        self._stream = _STATE.current
+        recording = GraphRecording()
+        self._recording = recording
+        self._modes = (
+            RecordingMode(recording, self._check_stream),
+            HostReadRefusalMode(recording.refusal),
+        )
         _STATE.capturing = self
-        self._mode.__enter__()
+        for mode in self._modes:
+            mode.__enter__()
+
+    def _check_stream(self) -> None:
+        if _STATE.current is _STATE.default:
+            raise self.refuse(
+                "an op was issued on the default stream while another stream captures",
+                "Issue captured work on the capture stream (or one that waited on it).",
+                cuda_message="CUDA error: operation would make the legacy stream depend on a "
+                "capturing blocking stream",
+            )
+
+    def refuse(self, what: str, fix: str, **kw: str) -> RuntimeError:
+        """The error for an operation this capture refuses; capture_end() will then fail."""
+        if self._recording is None:
+            raise RuntimeError("emulated CUDAGraph: refuse() outside a capture")
+        return self._recording.refusal.refuse(what, fix, **kw)
 
     def capture_end(self) -> None:
-        if self._mode is None or self._recording is None or _STATE.capturing is not self:
+        recording, modes = self._recording, self._modes
+        if modes is None or recording is None or _STATE.capturing is not self:
             raise RuntimeError("emulated CUDAGraph: capture_end() without capture_begin()")
+        if _STATE.current is not self._stream:
+            raise RuntimeError("Capture must end on the same stream it began on. (emulated)")
         try:
-            self._mode.__exit__(None, None, None)
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
         finally:
             _STATE.capturing = None
-            self._mode = None
-        self._recording.seal()
+            self._modes = None
+            # Undo the capture's side effects even when it failed.
+            recording.seal()
+        if recording.refusal.first is not None:
+            self._recording = None
+            raise capture_error(f"{INVALIDATED} (emulated; the first error was: {recording.refusal.first})")
+        self._captured = True
 
     def instantiate(self) -> None:
         pass
 
     def replay(self) -> None:
-        if self._recording is None:
-            raise RuntimeError("emulated CUDAGraph: replay() before any capture")
+        if not self._captured or self._recording is None:
+            raise RuntimeError(
+                "Called CUDAGraph::replay without a preceding successful capture. (emulated)"
+            )
         if _STATE.capturing is not None:
             raise NotImplementedError(
                 "emulated CUDAGraph: replaying one graph while capturing another is not emulated"
@@ -197,10 +265,13 @@ class EmulatedCUDAGraph:
 
     def reset(self) -> None:
         self._recording = None
+        self._captured = False
 
     def pool(self) -> object:
-        if self._pool is None:
-            raise RuntimeError("emulated CUDAGraph: pool() before capture_begin()")
+        if not self._captured or self._pool is None:
+            raise RuntimeError(
+                "Called CUDAGraph::pool() without a preceding successful capture. (emulated)"
+            )
         return self._pool
 
     @property
