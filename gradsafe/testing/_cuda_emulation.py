@@ -3,9 +3,11 @@
 Everything here runs on CPU tensors: capture records aten ops
 (:mod:`gradsafe.testing._graph_recorder`), replay rewrites the captured tensors
 in place. Streams and events are ordering no-ops because the CPU runs ops in
-program order; what they still do is refuse, during a capture, the calls a
-real capture refuses (synchronising, querying, issuing work on the default
-stream), with the error a GPU raises.
+program order; what they still track is which streams a capture spans (CUDA's
+fork/join rule: a side stream joins by waiting on a capturing stream, and must
+be waited on again before the capture ends), and they refuse, during a
+capture, the calls a real capture refuses (synchronising, querying), with the
+error a GPU raises.
 """
 
 from __future__ import annotations
@@ -55,8 +57,56 @@ def _new_pool_handle() -> tuple[int, int]:
     return (0, next(_pool_ids))
 
 
+class _CaptureStreams:
+    """The streams one capture spans, and how far each one's work is ordered before the others'.
+
+    CUDA's rules: a stream joins a capture by waiting on a stream (or an event
+    recorded on a stream) in it; work on a stream outside the capture runs
+    eagerly and is not part of the graph; the capture can only end once the
+    origin stream has waited on every joined stream's last work.
+    """
+
+    def __init__(self, origin: EmulatedStream) -> None:
+        self.origin = origin
+        self.work: dict[EmulatedStream, int] = {origin: 0}  # ops issued, per member
+        self.seen: dict[EmulatedStream, dict[EmulatedStream, int]] = {origin: {}}
+
+    def issue(self, stream: EmulatedStream) -> bool:
+        """Count an op on ``stream``; False if the stream is outside the capture."""
+        if stream not in self.work:
+            return False
+        self.work[stream] += 1
+        return True
+
+    def snapshot(self, stream: EmulatedStream) -> dict[EmulatedStream, int] | None:
+        """The work ordered before ``stream``'s tail, or None if it is outside the capture."""
+        if stream not in self.work:
+            return None
+        return {**self.seen[stream], stream: self.work[stream]}
+
+    def wait(self, waiter: EmulatedStream, snapshot: dict[EmulatedStream, int] | None) -> None:
+        if snapshot is None:
+            return
+        self.work.setdefault(waiter, 0)
+        seen = self.seen.setdefault(waiter, {})
+        for stream, count in snapshot.items():
+            if stream is not waiter and seen.get(stream, 0) < count:
+                seen[stream] = count
+
+    def unjoined(self) -> list[EmulatedStream]:
+        joined = self.seen[self.origin]
+        return [
+            s for s, n in self.work.items() if s is not self.origin and joined.get(s, 0) < n
+        ]
+
+
+def _capture_streams() -> _CaptureStreams | None:
+    graph = _STATE.capturing
+    return None if graph is None else graph.streams
+
+
 class EmulatedStream:
-    """A stream handle. Work is ordered by the CPU, so waits are no-ops."""
+    """A stream handle. Work is ordered by the CPU, so waits order nothing; they do join captures."""
 
     def __init__(self, device: object = None, priority: int = 0, **_: object) -> None:
         self.stream_id = next(_stream_ids)
@@ -64,10 +114,14 @@ class EmulatedStream:
         self.device = torch.device("cpu")
 
     def wait_stream(self, stream: EmulatedStream) -> None:
-        pass
+        capture = _capture_streams()
+        if capture is not None:
+            capture.wait(self, capture.snapshot(stream))
 
     def wait_event(self, event: EmulatedEvent) -> None:
-        pass
+        capture = _capture_streams()
+        if capture is not None and event._capture is capture:
+            capture.wait(self, event._snapshot)
 
     def record_event(self, event: EmulatedEvent | None = None) -> EmulatedEvent:
         event = EmulatedEvent() if event is None else event
@@ -90,12 +144,18 @@ class EmulatedEvent:
 
     def __init__(self, enable_timing: bool = False, **_: object) -> None:
         self._when: float | None = None
+        # The capture this event was last recorded in, and what it orders after.
+        self._capture: _CaptureStreams | None = None
+        self._snapshot: dict[EmulatedStream, int] | None = None
 
     def record(self, stream: EmulatedStream | None = None) -> None:
         self._when = time.perf_counter()
+        self._capture = _capture_streams()
+        stream = _STATE.current if stream is None else stream
+        self._snapshot = None if self._capture is None else self._capture.snapshot(stream)
 
     def wait(self, stream: EmulatedStream | None = None) -> None:
-        pass
+        (_STATE.current if stream is None else stream).wait_event(self)
 
     def query(self) -> bool:
         _refuse_while_capturing("Event.query()")
@@ -179,8 +239,8 @@ class EmulatedCUDAGraph:
         self._recording: GraphRecording | None = None
         self._modes: tuple[RecordingMode, HostReadRefusalMode] | None = None
         self._pool: tuple[int, int] | None = None
-        self._stream: EmulatedStream | None = None
         self._captured = False
+        self.streams: _CaptureStreams | None = None
 
     def capture_begin(
         self,
@@ -204,25 +264,22 @@ class EmulatedCUDAGraph:
                 "torch.cuda.stream(torch.cuda.Stream()) first, or use torch.cuda.graph)"
             )
         self._pool = pool if pool is not None else _new_pool_handle()  # type: ignore[assignment]
-        self._stream = _STATE.current
+        self.streams = _CaptureStreams(_STATE.current)
         recording = GraphRecording()
         self._recording = recording
         self._modes = (
-            RecordingMode(recording, self._check_stream),
+            RecordingMode(recording, self._in_capture),
             HostReadRefusalMode(recording.refusal),
         )
         _STATE.capturing = self
         for mode in self._modes:
             mode.__enter__()
 
-    def _check_stream(self) -> None:
-        if _STATE.current is _STATE.default:
-            raise self.refuse(
-                "an op was issued on the default stream while another stream captures",
-                "Issue captured work on the capture stream (or one that waited on it).",
-                cuda_message="CUDA error: operation would make the legacy stream depend on a "
-                "capturing blocking stream",
-            )
+    def _in_capture(self) -> bool:
+        # An op on a stream that has not joined the capture runs eagerly and
+        # is not part of the graph, as on a GPU (torch's streams are
+        # non-blocking, so even the default stream may run work meanwhile).
+        return self.streams is not None and self.streams.issue(_STATE.current)
 
     def refuse(self, what: str, fix: str, **kw: str) -> RuntimeError:
         """The error for an operation this capture refuses; capture_end() will then fail."""
@@ -231,10 +288,10 @@ class EmulatedCUDAGraph:
         return self._recording.refusal.refuse(what, fix, **kw)
 
     def capture_end(self) -> None:
-        recording, modes = self._recording, self._modes
-        if modes is None or recording is None or _STATE.capturing is not self:
+        recording, modes, streams = self._recording, self._modes, self.streams
+        if modes is None or recording is None or streams is None or _STATE.capturing is not self:
             raise RuntimeError("emulated CUDAGraph: capture_end() without capture_begin()")
-        if _STATE.current is not self._stream:
+        if _STATE.current is not streams.origin:
             raise RuntimeError("Capture must end on the same stream it began on. (emulated)")
         try:
             for mode in reversed(modes):
@@ -242,11 +299,21 @@ class EmulatedCUDAGraph:
         finally:
             _STATE.capturing = None
             self._modes = None
+            self.streams = None
             # Undo the capture's side effects even when it failed.
             recording.seal()
         if recording.refusal.first is not None:
             self._recording = None
             raise capture_error(f"{INVALIDATED} (emulated; the first error was: {recording.refusal.first})")
+        unjoined = streams.unjoined()
+        if unjoined:
+            self._recording = None
+            raise capture_error(
+                "CUDA error: capture sequence contains a fork that was not joined to the primary "
+                f"stream (emulated: {', '.join(map(repr, unjoined))} did work in the capture after "
+                "the capture stream last waited on it; end the fork with "
+                "torch.cuda.current_stream().wait_stream(side_stream) before the capture ends)"
+            )
         self._captured = True
 
     def instantiate(self) -> None:

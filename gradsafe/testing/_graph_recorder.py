@@ -300,21 +300,23 @@ class GraphRecording:
 class RecordingMode(TorchDispatchMode):
     """Runs every op eagerly and records it into ``recording``; refuses what a capture refuses.
 
-    ``check_stream`` raises if the current stream may not issue work into this
-    capture (the emulation of streams lives with the stand-ins).
+    ``in_capture`` says whether the current stream issues into this capture
+    (the emulation of streams lives with the stand-ins); an op on a stream
+    outside it runs for real and is not recorded, as on a GPU.
     """
 
-    def __init__(self, recording: GraphRecording, check_stream: Callable[[], None]) -> None:
+    def __init__(self, recording: GraphRecording, in_capture: Callable[[], bool]) -> None:
         super().__init__()
         self.recording = recording
-        self.check_stream = check_stream
+        self.in_capture = in_capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         reason = _refusal_reason(func, args, kwargs)
         if reason is not None:
             raise self.recording.refusal.refuse(reason, _HOST_READ_FIX)
-        self.check_stream()
+        if not self.in_capture():
+            return func(*args, **kwargs)
         for t in _written_tensors(func, args, kwargs):
             self.recording.before_write(t)
         frozen_args = [_Frozen.of(a) for a in pytree.tree_leaves((args, kwargs))]

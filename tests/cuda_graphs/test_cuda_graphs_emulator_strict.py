@@ -206,13 +206,62 @@ def test_what_a_gpu_capture_allows_still_captures() -> None:
     assert r.tolist() == [-1.0, 2.0, -3.0, -3.0]
 
 
-def test_work_on_the_default_stream_during_capture_is_refused() -> None:
-    g = torch.cuda.CUDAGraph()
-    with pytest.raises(CUDA_ERROR, match="previous error") as failed:
-        with torch.cuda.graph(g):
-            with torch.cuda.stream(torch.cuda.default_stream()):
-                torch.ones(2) + 1
-    assert "legacy stream depend on a capturing blocking stream" in str(failed.value.__context__)
+def test_a_side_stream_joins_the_capture_and_must_be_joined_back() -> None:
+    x = torch.ones(2)
+    side = torch.cuda.Stream()
+
+    def forked(join: bool) -> torch.Tensor:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2
+        if join:
+            torch.cuda.current_stream().wait_stream(side)
+        return y
+
+    g, y = _capture(lambda: forked(join=True))
+    x.fill_(5.0)
+    g.replay()
+    assert isinstance(y, torch.Tensor) and y.tolist() == [10.0, 10.0]
+
+    with pytest.raises(CUDA_ERROR, match="fork that was not joined to the primary stream"):
+        _capture(lambda: forked(join=False))
+
+
+def test_a_side_stream_joined_through_events() -> None:
+    x = torch.ones(2)
+    side = torch.cuda.Stream()
+
+    def body() -> torch.Tensor:
+        forked = torch.cuda.Event()
+        forked.record()
+        side.wait_event(forked)
+        with torch.cuda.stream(side):
+            y = x + 1
+        done = side.record_event()
+        done.wait()  # on the current (capture) stream
+        return y
+
+    g, y = _capture(body)
+    x.fill_(2.0)
+    g.replay()
+    assert isinstance(y, torch.Tensor) and y.tolist() == [3.0, 3.0]
+
+
+def test_work_on_a_stream_outside_the_capture_runs_eagerly_and_is_not_replayed() -> None:
+    # As on a GPU: a stream that never waited on the capture stream is not
+    # part of the capture; its work happens once, now, and replays skip it.
+    x, out = torch.ones(2), torch.zeros(2)
+
+    def body() -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            out.copy_(x * 3)
+
+    g, _ = _capture(body)
+    assert out.tolist() == [3.0, 3.0]  # ran for real, not undone
+    x.fill_(7.0)
+    g.replay()
+    assert out.tolist() == [3.0, 3.0]
+    assert g.num_recorded_ops == 0
 
 
 def test_capture_checks_of_torch_cudagraph() -> None:
