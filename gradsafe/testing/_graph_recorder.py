@@ -101,7 +101,7 @@ def _mask_indices(indices: Any) -> list[torch.Tensor]:
 
 def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
     """Why a CUDA capture would refuse this aten call, or None if it captures."""
-    packet = func.overloadpacket
+    packet = getattr(func, "overloadpacket", None)  # higher-order operators have none
     if packet in _SYNCING:
         return f"{func}: {_SYNCING[packet]}"
     if packet is torch.ops.aten.repeat_interleave and func._overloadname == "Tensor":
@@ -123,7 +123,8 @@ def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """Tensors the op writes in place (``self`` of ``add_``, ``out=``, lists of ``_foreach_*_``)."""
-    for i, arg in enumerate(func._schema.arguments):
+    schema = getattr(func, "_schema", None)  # higher-order operators have none
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
