@@ -8,7 +8,13 @@ accumulation over 1, 4 and 16 microbatches, for ``zero_grad(set_to_none=True)``
 the steady-state steps (graph replays dispatch no ops, so only real copies
 count), and expressed in parameter-sized copies: ``bytes cloned / parameter bytes``.
 
-Part 2 (GPU only): step time of a 12-layer transformer block stack, graphed
+Part 2 (any machine, same counting): the copy budget case by case -- what
+makes ``"auto"`` copy more than once per parameter per step (a Megatron-style
+hook that clears ``.grad``, a tensor hook, a weight shared by two graphed
+callables, an input produced by eager code) -- with the gradients checked
+against the same model run eagerly in fp64.
+
+Part 3 (GPU only): step time of a 12-layer transformer block stack, graphed
 per layer, for the three policies, measured side by side in this process.
 
 Run: ``PYTHONPATH=. python benchmarks/cuda_graphs_ownership.py``
@@ -17,9 +23,11 @@ Run: ``PYTHONPATH=. python benchmarks/cuda_graphs_ownership.py``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,15 +40,22 @@ MICROBATCHES = (1, 4, 16)
 
 
 class CopyCounter(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Counts ``aten.clone`` calls and bytes; ``shapes`` splits the bytes into parameter-shaped and other."""
+
+    def __init__(self, shapes: Sequence[torch.Size] = ()) -> None:
         super().__init__()
+        self.shapes = set(shapes)
         self.clones = 0
         self.bytes = 0
+        self.param_shaped_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops.aten.clone.default:
+            nbytes = args[0].numel() * args[0].element_size()
             self.clones += 1
-            self.bytes += args[0].numel() * args[0].element_size()
+            self.bytes += nbytes
+            if args[0].shape in self.shapes:
+                self.param_shaped_bytes += nbytes
         return func(*args, **(kwargs or {}))
 
 
@@ -88,6 +103,149 @@ def copy_table(device: torch.device) -> None:
             for policy in POLICIES:
                 clones, copies, _, _ = count_copies(device, policy, mb, set_to_none)
                 print(f"{set_to_none!s:>11} | {mb:>12} | {policy:>6} | {clones:>11.1f} | {copies:>8.2f}")
+
+
+# ---------------------------------------------------------------- part 2: the budget, case by case
+
+WIDTH, BATCH, BUDGET_MICROBATCHES = 64, 8, 4
+
+
+@dataclasses.dataclass
+class Twin:
+    """One model built twice from the same seed: graphed, and eager as the reference."""
+
+    graphed_layers: list[torch.nn.Module]  # handed to make_graphed_callables
+    eager_layers: list[torch.nn.Module]  # the same model, never graphed
+    pre: tuple[torch.nn.Module | None, torch.nn.Module | None]  # eager layer before the graphed ones
+    params: tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]  # unique, graphed / eager twin
+
+
+def _build(kind: str, device: torch.device) -> Twin:
+    def layers() -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+        torch.manual_seed(0)
+        pre = torch.nn.Linear(WIDTH, WIDTH).double().to(device) if kind == "eager input" else None
+        n = 2 if kind == "tied" else 4
+        ls = [torch.nn.Linear(WIDTH, WIDTH).double().to(device) for _ in range(n)]
+        if kind == "tied":
+            ls[1].weight = ls[0].weight  # one weight, two graphed callables
+        return ls, pre
+
+    def unique(ls: list[torch.nn.Module], pre: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for m in ([pre] if pre is not None else []) + ls:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    g_layers, g_pre = layers()
+    e_layers, e_pre = layers()
+    return Twin(g_layers, e_layers, (g_pre, e_pre), (unique(g_layers, g_pre), unique(e_layers, e_pre)))
+
+
+def _install_hook(hook: str, params: list[torch.nn.Parameter]) -> list[object]:
+    """Install ``hook`` on every parameter; returns what must stay referenced for the hooks to live."""
+    keep: list[object] = []
+    for p in params:
+        if hook == "tensor hook":
+            p.register_hook(lambda g: None)  # observes, keeps nothing
+        elif hook == "megatron":
+            # Megatron-core DDP: a post-hook on the AccumulateGrad node adds
+            # .grad into main_grad and clears .grad.
+            p.main_grad = torch.zeros_like(p)  # type: ignore[attr-defined]
+
+            def consume(*_: object, p: torch.nn.Parameter = p) -> None:
+                if p.grad is not None:
+                    p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+                    p.grad = None
+
+            # Megatron keeps the node: a new AccumulateGrad would not have the hook.
+            node = p.expand_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            node.register_hook(consume)
+            keep.append(node)
+    return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetCase:
+    name: str
+    kind: str  # model: "chain", "tied", "eager input"
+    hook: str  # "none", "tensor hook", "megatron"
+    set_to_none: bool
+
+
+BUDGET_CASES = (
+    BudgetCase("plain, zero_grad(set_to_none=True)", "chain", "none", True),
+    BudgetCase("plain, zero_grad(set_to_none=False)", "chain", "none", False),
+    BudgetCase("Megatron-style hook clears .grad", "chain", "megatron", False),
+    BudgetCase("tensor hook on every parameter, set_to_none=False", "chain", "tensor hook", False),
+    BudgetCase("weight shared by 2 graphed callables, set_to_none=True", "tied", "none", True),
+    BudgetCase("weight shared by 2 graphed callables, set_to_none=False", "tied", "none", False),
+    BudgetCase("input from an eager layer, set_to_none=False", "eager input", "none", False),
+)
+
+
+def measure_case(
+    case: BudgetCase, policy: str, device: torch.device, microbatches: int = BUDGET_MICROBATCHES
+) -> tuple[CopyCounter, int, bool]:
+    """(clone counts over one steady-state step, parameter bytes, gradients equal the eager twin's)."""
+    twin = _build(case.kind, device)
+    g_params, e_params = twin.params
+    samples = tuple(
+        (torch.randn(BATCH, WIDTH, dtype=torch.float64, device=device, requires_grad=i > 0 or case.kind == "eager input"),)
+        for i in range(len(twin.graphed_layers))
+    )
+    graphed = make_graphed_callables(tuple(twin.graphed_layers), samples, ownership=policy)
+    keep = _install_hook(case.hook, g_params) + _install_hook(case.hook, e_params)
+    xs = [torch.randn(BATCH, WIDTH, dtype=torch.float64, device=device) for _ in range(microbatches)]
+
+    def step(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]], pre: torch.nn.Module | None,
+             params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            if case.set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+            if case.hook == "megatron":
+                p.main_grad.zero_()  # type: ignore[attr-defined]
+        for x in xs:
+            h = pre(x) if pre is not None else x
+            for layer in layers:
+                h = layer(h)
+            h.pow(2).mean().backward()
+
+    def result(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        return [p.main_grad if case.hook == "megatron" else p.grad for p in params]  # type: ignore[attr-defined,misc]
+
+    g_pre, e_pre = twin.pre
+    step(graphed, g_pre, g_params)  # first step: .grad is None for everyone
+    step(twin.eager_layers, e_pre, e_params)
+    with CopyCounter([p.shape for p in g_params]) as counter:
+        step(graphed, g_pre, g_params)
+    step(twin.eager_layers, e_pre, e_params)
+    del keep
+    right = all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(result(g_params), result(e_params)))
+    graphed_param_bytes = sum(
+        p.numel() * p.element_size() for p in g_params if all(p is not q for q in (g_pre.parameters() if g_pre else ()))
+    )
+    return counter, graphed_param_bytes, right
+
+
+def budget_table(device: torch.device) -> None:
+    print(
+        f"\n# copy budget case by case: one steady-state optimizer step, {BUDGET_MICROBATCHES} microbatches, "
+        f"Linear({WIDTH},{WIDTH}) layers in fp64, batch {BATCH}; \"param copies\" = bytes of parameter-shaped "
+        "clones / bytes of the graphed callables' parameters; \"other\" = activation-shaped bytes cloned; "
+        "\"right\" = gradients (main_grad for Megatron) equal the eager twin's"
+    )
+    print("case | policy | clones/step | param copies/step | other bytes/step | right")
+    for case in BUDGET_CASES:
+        for policy in POLICIES:
+            counter, param_bytes, right = measure_case(case, policy, device)
+            print(
+                f"{case.name} | {policy:>6} | {counter.clones:>3} | "
+                f"{counter.param_shaped_bytes / param_bytes:5.2f} | "
+                f"{counter.bytes - counter.param_shaped_bytes:>6} | {'yes' if right else 'NO'}"
+            )
 
 
 def step_times(
@@ -151,6 +309,7 @@ def main() -> None:
           f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'no GPU: copies counted under emulate_cuda_graphs'}")
     with contextlib.nullcontext() if gpu else emulate_cuda_graphs():
         copy_table(torch.device("cuda" if gpu else "cpu"))
+        budget_table(torch.device("cuda" if gpu else "cpu"))
     if gpu:
         step_times(torch.device("cuda"))
     else:

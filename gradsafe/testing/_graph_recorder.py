@@ -1,101 +1,297 @@
-"""Record aten ops into a graph and replay them into the same tensors (CPU stand-in for a CUDA graph).
+"""Record aten ops into a graph and replay them into the same memory (CPU stand-in for a CUDA graph).
 
-A real CUDA graph replays kernels against fixed addresses: every tensor made
-during capture keeps its memory, and replay rewrites that memory in place.
-:class:`GraphRecording` reproduces exactly that on the CPU: capture runs each
-aten op eagerly and records it with the very tensors it read and wrote; replay
-re-runs the ops and writes each result into the captured output tensor, so any
-Python reference to a captured tensor (a static output, a static gradient, a
-``.detach()`` of one) sees the new values, as on a GPU.
+A real CUDA graph capture *records* kernels without running them, and replay
+runs them against the captured addresses and shapes. :class:`GraphRecording`
+reproduces that on the CPU:
+
+* capture runs each aten op eagerly (the captured code needs real values to
+  continue, e.g. to build the autograd graph) and records it with the memory
+  and the shapes it read and wrote;
+* writes the capture made to memory that existed before the capture are
+  undone when it ends, so the capture leaves no trace outside the memory it
+  allocated (a whole training step captured once is not also applied once);
+* replay re-runs the ops and writes each result into the captured memory, so
+  every Python reference to a captured tensor (a static output, a static
+  gradient, a ``.detach()`` of one) sees the new values, as on a GPU;
+* what a real capture refuses (reading a device value on the host, ops whose
+  output shape depends on device values) raises the error a GPU raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Final
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    is_traceable_wrapper_subclass,
+)
 
-__all__ = ["GraphRecording", "RecordingMode"]
+__all__ = [
+    "CaptureRefusal",
+    "GraphRecording",
+    "HostReadRefusalMode",
+    "RecordingMode",
+    "capture_error",
+    "NOT_PERMITTED",
+    "INVALIDATED",
+]
 
-_SYNCING_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
+# CUDA errors surface as torch.AcceleratorError (a RuntimeError) where torch
+# has it; the emulator raises the same class so `except`/`pytest.raises`
+# written against a GPU run match.
+_CUDA_ERROR: Final[type[RuntimeError]] = getattr(torch, "AcceleratorError", RuntimeError)
+
+NOT_PERMITTED: Final = "CUDA error: operation not permitted when stream is capturing"
+INVALIDATED: Final = "CUDA error: operation failed due to a previous error during capture"
+
+
+def capture_error(message: str) -> RuntimeError:
+    """The exception class a GPU raises for a CUDA error, carrying ``message``."""
+    return _CUDA_ERROR(message)
+
+
+class CaptureRefusal:
+    """Why the running capture is invalid, if it is: the first refused operation."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+
+    def refuse(self, what: str, fix: str, cuda_message: str = NOT_PERMITTED) -> RuntimeError:
+        """The error for a refused operation; the capture is invalid from now on, as on a GPU."""
+        detail = f"{cuda_message} (emulated capture: {what}. {fix})"
+        if self.first is None:
+            self.first = detail
+        return capture_error(detail)
+
+
+_HOST_READ_FIX: Final = (
+    "Read device values on the host only outside the captured region (after replay())."
+)
+
+# aten ops whose CUDA kernel copies a device value to the host and waits for
+# it: a scalar read, or an output whose size depends on the data.
+_SYNCING: Final = {
+    torch.ops.aten._local_scalar_dense: "reads a device scalar on the host (.item(), bool(t), int(t), float(t))",
+    torch.ops.aten.equal: "torch.equal returns a host bool computed on the device",
+    torch.ops.aten.nonzero: "nonzero's output size depends on device values",
+    torch.ops.aten.nonzero_numpy: "nonzero's output size depends on device values",
+    torch.ops.aten.argwhere: "argwhere's output size depends on device values",
+    torch.ops.aten.masked_select: "masked_select's output size depends on device values",
+    torch.ops.aten._unique: "unique's output size depends on device values",
+    torch.ops.aten._unique2: "unique's output size depends on device values",
+    torch.ops.aten.unique_dim: "unique's output size depends on device values",
+    torch.ops.aten.unique_consecutive: "unique_consecutive's output size depends on device values",
+    torch.ops.aten.unique_dim_consecutive: "unique_consecutive's output size depends on device values",
+    torch.ops.aten.bincount: "bincount's output size depends on device values",
+}
+
+_MASK_DTYPES: Final = (torch.bool, torch.uint8)
+
+
+def _mask_indices(indices: Any) -> list[torch.Tensor]:
+    return [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES]
+
+
+def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why a CUDA capture would refuse this aten call, or None if it captures."""
+    packet = getattr(func, "overloadpacket", None)  # higher-order operators have none
+    if packet in _SYNCING:
+        return f"{func}: {_SYNCING[packet]}"
+    if packet is torch.ops.aten.repeat_interleave and func._overloadname == "Tensor":
+        if kwargs.get("output_size", args[1] if len(args) > 1 else None) is None:
+            return f"{func}: repeat_interleave without output_size has a data-dependent output size"
+        return None
+    if packet is torch.ops.aten.index and _mask_indices(args[1]):
+        return f"{func}: indexing with a boolean mask (x[mask]) has a data-dependent output size"
+    if packet in (torch.ops.aten.index_put_, torch.ops.aten.index_put, torch.ops.aten._index_put_impl_):
+        masks = _mask_indices(args[1])
+        accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+        # torch turns `x[mask] = scalar` into masked_fill_, which captures;
+        # any other masked assignment goes through nonzero.
+        single_mask = len(masks) == 1 and sum(i is not None for i in args[1]) == 1
+        if masks and not (single_mask and args[2].numel() == 1 and not accumulate):
+            return f"{func}: masked assignment of a tensor (x[mask] = values) goes through nonzero"
+    return None
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """Tensors the op writes in place (``self`` of ``add_``, ``out=``, lists of ``_foreach_*_``)."""
+    schema = getattr(func, "_schema", None)  # higher-order operators have none
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                yield t
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
-    if t.numel() == 0:
+    if t.layout is not torch.strided or t.untyped_storage().nbytes() == 0:
         return None
     return t.untyped_storage().data_ptr()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """A tensor as the captured kernel saw it: its memory, and the shape at that moment.
+
+    A GPU kernel's arguments (address, sizes, strides) are fixed at capture, so
+    replay rebuilds each one from here instead of reading the tensor's current
+    metadata (in-place metadata ops such as ``unsqueeze_`` must not compound).
+    """
+
+    memory: torch.Tensor  # ``.data`` alias: same storage, own version counter
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.layout is not torch.strided or is_traceable_wrapper_subclass(x):
+            return x.data
+        return _Frozen(x.data, tuple(x.shape), tuple(x.stride()), int(x.storage_offset()))
+
+    def thaw(self) -> torch.Tensor:
+        return self.memory.as_strided(self.size, self.stride, self.offset)
+
+
+def _thaw(x: Any) -> Any:
+    return x.thaw() if isinstance(x, _Frozen) else x
+
+
 @dataclasses.dataclass
 class _RecordedOp:
-    """One aten call: the op, its (flattened) arguments, and what it produced.
-
-    ``args`` hold the tensors the op read during capture; after
-    :meth:`GraphRecording.seal` they are replaced by ``.data`` aliases (same
-    memory, own version counter), because a GPU replay writes memory without
-    bumping autograd version counters.
-    """
+    """One aten call: the op, its flattened arguments, and the fresh memory it produced."""
 
     func: Callable[..., Any]
     args: list[Any]
     spec: pytree.TreeSpec
-    outputs: list[Any]
-    # Indices into the flattened outputs that own fresh memory and so must be
-    # rewritten in place on replay; views and in-place results alias an input
-    # and are updated by re-running the op itself.
-    fresh: list[int]
+    # Outputs that own fresh memory, by index into the flattened outputs: replay
+    # copies the re-run results into them. Views and in-place results alias an
+    # input and are updated by re-running the op itself.
+    fresh: dict[int, _Frozen]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    data_ptr: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Layout:
+        ptr = t.untyped_storage().data_ptr() if t.layout is torch.strided else 0
+        return _Layout(ptr, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
+
+    def describe(self) -> str:
+        return f"shape {list(self.size)}, stride {list(self.stride)}, offset {self.offset}, {self.dtype}"
 
 
 class GraphRecording:
-    """The ops of one capture, replayable into the captured tensors."""
+    """The ops of one capture, replayable into the captured memory."""
 
     def __init__(self) -> None:
         self._ops: list[_RecordedOp] = []
         self._sealed = False
+        self.refusal = CaptureRefusal()
+        # Storages the capture allocated (the graph's own memory) ...
+        self._own: set[int] = set()
+        # ... and, for every other storage it wrote, the bytes it held before.
+        self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        # Every tensor object the capture touched, with its layout at capture end.
+        self._touched: dict[int, torch.Tensor] = {}
+        self._layouts: list[tuple[weakref.ref[torch.Tensor], _Layout]] = []
+        self._rng_state = torch.get_rng_state()
 
-    def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> None:
-        flat_args, spec = pytree.tree_flatten((args, kwargs))
-        input_storages = {
-            key
-            for a in flat_args
-            if isinstance(a, torch.Tensor) and (key := _storage_key(a)) is not None
-        }
-        flat_out = pytree.tree_leaves(out)
-        fresh = [
-            i
-            for i, o in enumerate(flat_out)
-            if isinstance(o, torch.Tensor)
-            and (key := _storage_key(o)) is not None
-            and key not in input_storages
-        ]
-        self._ops.append(_RecordedOp(func, flat_args, spec, flat_out, fresh))
+    def before_write(self, t: torch.Tensor) -> None:
+        """Save a pre-existing storage's bytes before the capture first writes it."""
+        key = _storage_key(t)
+        if key is None or key in self._own or key in self._saved:
+            return
+        storage = t.untyped_storage()
+        with _disable_current_modes(), torch.no_grad():
+            self._saved[key] = (storage, storage.clone())
+
+    def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, frozen_args: list[Any], out: Any) -> None:
+        flat_args = pytree.tree_leaves((args, kwargs))
+        read = {key for a in flat_args if isinstance(a, torch.Tensor) and (key := _storage_key(a)) is not None}
+        fresh: dict[int, _Frozen] = {}
+        for i, o in enumerate(pytree.tree_leaves(out)):
+            if not isinstance(o, torch.Tensor):
+                continue
+            self._touched.setdefault(id(o), o)
+            key = _storage_key(o)
+            if key is not None and key not in read:
+                self._own.add(key)
+                frozen = _Frozen.of(o)
+                if isinstance(frozen, _Frozen):
+                    fresh[i] = frozen
+        for a in flat_args:
+            if isinstance(a, torch.Tensor):
+                self._touched.setdefault(id(a), a)
+        _, spec = pytree.tree_flatten((args, kwargs))
+        self._ops.append(_RecordedOp(func, frozen_args, spec, fresh))
 
     def seal(self) -> None:
-        """End of capture: swap every recorded tensor for a ``.data`` alias."""
-
-        def alias(x: Any) -> Any:
-            return x.data if isinstance(x, torch.Tensor) else x
-
-        for op in self._ops:
-            op.args = [alias(a) for a in op.args]
-            op.outputs = [alias(o) for o in op.outputs]
+        """End of capture: undo writes to memory the capture did not allocate, and the RNG draws."""
+        with _disable_current_modes(), torch.no_grad():
+            for storage, before in self._saved.values():
+                storage.copy_(before)
+        self._saved.clear()
+        torch.set_rng_state(self._rng_state)
+        self._layouts = [
+            (weakref.ref(t), _Layout.of(t)) for t in self._touched.values() if t.layout is torch.strided
+        ]
+        self._touched.clear()
         self._sealed = True
 
     def replay(self) -> None:
         if not self._sealed:
             raise RuntimeError("emulated CUDAGraph: replay() before capture_end()")
+        self._check_layouts()
         # A real replay dispatches no aten ops, so user dispatch modes (op
         # counters, profilers) must not see the re-executed ops either.
         with _disable_current_modes(), torch.no_grad():
             for op in self._ops:
-                args, kwargs = pytree.tree_unflatten(op.args, op.spec)
+                args, kwargs = pytree.tree_unflatten([_thaw(a) for a in op.args], op.spec)
                 result = pytree.tree_leaves(op.func(*args, **kwargs))
-                for i in op.fresh:
-                    op.outputs[i].copy_(result[i])
+                for i, target in op.fresh.items():
+                    got = result[i]
+                    if tuple(got.shape) != target.size or got.dtype != target.memory.dtype:
+                        raise RuntimeError(
+                            f"emulated CUDAGraph.replay: {op.func} produced shape {list(got.shape)} "
+                            f"({got.dtype}) where the capture produced {list(target.size)} "
+                            f"({target.memory.dtype}); a CUDA graph always replays the captured shapes."
+                        )
+                    target.thaw().copy_(got)
+
+    def _check_layouts(self) -> None:
+        for ref, layout in self._layouts:
+            t = ref()
+            if t is None:
+                continue
+            now = _Layout.of(t)
+            if now != layout:
+                raise RuntimeError(
+                    f"emulated CUDAGraph.replay: a tensor the graph reads or writes changed from "
+                    f"{layout.describe()} to {now.describe()}"
+                    f"{' and moved to other memory' if now.data_ptr != layout.data_ptr else ''} "
+                    "since capture. A CUDA graph keeps using the captured memory and shape, so it "
+                    "would ignore the change silently. Write new values into the captured tensor "
+                    "in place (static.copy_(new)), or capture again."
+                )
 
     @property
     def num_ops(self) -> int:
@@ -103,24 +299,53 @@ class GraphRecording:
 
 
 class RecordingMode(TorchDispatchMode):
-    """Runs every op eagerly and records it into ``recording``.
+    """Runs every op eagerly and records it into ``recording``; refuses what a capture refuses.
 
-    Ops that would make the host wait for the device (``.item()``, ``bool(t)``)
-    raise, as they do during a real stream capture.
+    ``in_capture`` says whether the current stream issues into this capture
+    (the emulation of streams lives with the stand-ins); an op on a stream
+    outside it runs for real and is not recorded, as on a GPU.
     """
 
-    def __init__(self, recording: GraphRecording) -> None:
+    def __init__(self, recording: GraphRecording, in_capture: Callable[[], bool]) -> None:
         super().__init__()
         self.recording = recording
+        self.in_capture = in_capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in _SYNCING_OPS:
-            raise RuntimeError(
-                f"emulated CUDA graph capture: {func} reads a device value on the host, which is "
-                "not permitted while a stream is capturing (as on a GPU). Move .item()/bool(tensor) "
-                "out of the captured region."
-            )
+        reason = _refusal_reason(func, args, kwargs)
+        if reason is not None:
+            raise self.recording.refusal.refuse(reason, _HOST_READ_FIX)
+        if not self.in_capture():
+            return func(*args, **kwargs)
+        for t in _written_tensors(func, args, kwargs):
+            self.recording.before_write(t)
+        frozen_args = [_Frozen.of(a) for a in pytree.tree_leaves((args, kwargs))]
         out = func(*args, **kwargs)
-        self.recording.record(func, args, kwargs, out)
+        self.recording.record(func, args, kwargs, frozen_args, out)
         return out
+
+
+# Tensor methods that copy device memory to the host without an aten op the
+# dispatch mode could see (printing formats a host copy).
+_HOST_COPIES: Final = {
+    torch.Tensor.tolist: ".tolist() copies device memory to the host",
+    torch.Tensor.numpy: ".numpy() needs a host copy",
+    torch.Tensor.cpu: ".cpu() copies device memory to the host and waits for it",
+    torch.Tensor.__repr__: "printing a tensor copies it to the host",
+    torch.Tensor.__format__: "formatting a tensor copies it to the host",
+}
+
+
+class HostReadRefusalMode(TorchFunctionMode):
+    """Refuses the host copies that bypass aten dispatch (``tolist``, ``print``, ``cpu``, ``numpy``)."""
+
+    def __init__(self, refusal: CaptureRefusal) -> None:
+        super().__init__()
+        self.refusal = refusal
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        what = _HOST_COPIES.get(func)
+        if what is not None:
+            raise self.refusal.refuse(what, _HOST_READ_FIX)
+        return func(*args, **(kwargs or {}))
