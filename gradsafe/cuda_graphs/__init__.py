@@ -14,9 +14,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
-import torch.utils._pytree
-
 from gradsafe.capabilities import REGISTRY
 from gradsafe.cuda_graphs.capture_order import (
     CaptureEntry,
@@ -27,7 +24,11 @@ from gradsafe.cuda_graphs.capture_order import (
     TEOrder,
 )
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
-from gradsafe.cuda_graphs._structure import UnsupportedTorchError, find_graphed_site
+from gradsafe.cuda_graphs._structure import (
+    UnsupportedTorchError,
+    find_graphed_site,
+    graphed_inputs,
+)
 
 __all__ = [
     "CaptureEntry",
@@ -101,17 +102,11 @@ def make_graphed_callables(
     sample_args_per_callable = sample_args if isinstance(graphed, tuple) else (sample_args,)
     # Probe every callable before changing any, so a failure leaves none half-made.
     sites = [
-        find_graphed_site(c, _num_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
+        find_graphed_site(c, graphed_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
     ]
     for site in sites:
         site.install(owning_graphed(site.graphed_cls, ownership))
     return graphed
-
-
-def _num_inputs(callable_: Any, sample_args: Any) -> int:
-    """How many tensors upstream's graphed Function takes: flattened sample args, then module parameters."""
-    params = len(tuple(callable_.parameters())) if isinstance(callable_, torch.nn.Module) else 0
-    return len(torch.utils._pytree.arg_tree_leaves(*sample_args)) + params
 
 
 def _signature() -> inspect.Signature:

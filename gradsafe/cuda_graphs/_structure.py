@@ -29,6 +29,7 @@ __all__ = [
     "LeafFate",
     "UnsupportedTorchError",
     "find_graphed_site",
+    "graphed_inputs",
     "function_class_of",
     "has_tensor_hooks",
     "is_accumulate_grad",
@@ -149,6 +150,14 @@ def _dry_backward(graphed_cls: type[torch.autograd.Function]) -> object:
         raise _unsupported(
             f"a dry run of {_CLASS_NAME}.backward failed ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def graphed_inputs(callable_: object, sample_args: tuple[object, ...]) -> int:
+    """How many tensors upstream's graphed Function takes: flattened sample args, then module parameters."""
+    import torch.utils._pytree as pytree
+
+    params = len(tuple(callable_.parameters())) if isinstance(callable_, torch.nn.Module) else 0
+    return len(pytree.arg_tree_leaves(*sample_args)) + params
 
 
 def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
