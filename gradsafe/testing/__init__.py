@@ -12,5 +12,6 @@ from gradsafe.testing._cuda_emulation import (
     EmulatedStream,
     emulate_cuda_graphs,
 )
+from gradsafe.testing.megatron import GradReadyRegistry, HookCall, MegatronStyleDDP  # noqa: F401
 
 __all__ = ["EmulatedCUDAGraph", "EmulatedEvent", "EmulatedStream", "emulate_cuda_graphs"]
