@@ -47,7 +47,7 @@ class HookCall:
 
     thread: int  # threading.get_ident() of the thread it ran on
     grad_was_none: bool  # .grad was None when the hook ran
-    main_grad_after: torch.Tensor  # a copy of main_grad right after the call
+    main_grad_after: torch.Tensor | None  # a copy of main_grad right after the call (None: snapshots off)
 
 
 def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
@@ -70,9 +70,9 @@ class MegatronStyleDDP:
         grad_added_flag: give every parameter ``grad_added_to_main_grad``
             (Megatron does). With False, only parameters that already have it
             keep it (other wrappers' behaviour).
-
-    Each hook call copies ``main_grad`` into :attr:`calls`: a tool for tests,
-    not for training.
+        snapshots: copy ``main_grad`` at each hook call into
+            :attr:`HookCall.main_grad_after`; turn off to time a kernel under
+            the hook without that copy.
     """
 
     def __init__(
@@ -81,8 +81,10 @@ class MegatronStyleDDP:
         store: GradReadyRegistry | None = None,
         *,
         grad_added_flag: bool = True,
+        snapshots: bool = True,
     ) -> None:
         self.params = tuple(params)
+        self._snapshots = snapshots
         self._calls: dict[int, list[HookCall]] = {id(p): [] for p in self.params}
         self._handles: list[object] = []
         # A parameter holds its AccumulateGrad node only weakly: keep the nodes
@@ -114,7 +116,7 @@ class MegatronStyleDDP:
             if p.grad is not None and not getattr(p, "grad_added_to_main_grad", False):
                 p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
             p.grad = None
-            snapshot = p.main_grad.detach().clone()  # type: ignore[attr-defined]
+            snapshot = p.main_grad.detach().clone() if self._snapshots else None  # type: ignore[attr-defined]
             calls.append(HookCall(threading.get_ident(), grad_was_none, snapshot))
 
         return hook

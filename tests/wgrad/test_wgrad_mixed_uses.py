@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsafe.wgrad._hazards import USES, Use, check_mixed, kernel_with
+from gradsafe.wgrad._hazards import USES, Use, check_mixed, kernel_with, unwatched_policy
 
 PAIRS = list(itertools.combinations_with_replacement(USES, 2))
 
@@ -30,18 +30,38 @@ def test_any_mix_is_exact(uses: list[Use], microbatches: int) -> None:
     assert check_mixed(uses, microbatches) == []
 
 
-def _flag_always(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-    """gradsafe before this fix: set the flag on every fused call, one dummy per call."""
-    if delayed:
-        return None
-    if not accumulated_into_main_grad:
-        return wgrad
-    param.grad_added_to_main_grad = True
-    return torch.zeros((), dtype=param.dtype).expand(param.shape)
-
-
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_a_flag_set_without_watching_loses_the_unfused_use(microbatches: int) -> None:
     """The issue's case: a tied embedding next to a fused output head."""
-    problems = check_mixed(("autograd", "now/fused"), microbatches, kernel=kernel_with(_flag_always))
+    problems = check_mixed(("autograd", "now/fused"), microbatches, kernel=kernel_with(unwatched_policy))
     assert any(p.startswith("w (mixed): main_grad wrong") for p in problems)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_fused_use_inside_activation_checkpointing_keeps_the_outer_unfused_use(use_reentrant: bool) -> None:
+    """Reentrant checkpointing runs the fused use in a backward of its own: its dummy must not hide the outer use."""
+    from torch.utils.checkpoint import checkpoint
+
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad._hazards import repro_linear
+
+    def run(fused: bool) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64))
+        ddp = MegatronStyleDDP([w])
+        for _ in range(3):
+            x = torch.randn(2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+            ids = torch.randint(0, 4, (2,), generator=g)
+
+            def block(h: torch.Tensor) -> torch.Tensor:
+                if fused:
+                    return torch.tanh(repro_linear(h, w, fuse=True, store=None))
+                return torch.tanh(h @ w.t())
+
+            h = x + torch.nn.functional.embedding(ids, w)
+            h = checkpoint(block, h, use_reentrant=use_reentrant)
+            h.pow(2).sum().backward()
+        ddp.remove()
+        return w.main_grad.clone()
+
+    torch.testing.assert_close(run(fused=True), run(fused=False), rtol=1e-12, atol=1e-12)
