@@ -35,7 +35,7 @@ from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["CHECKS"]
 
-_TE_MODEL = "model of TransformerEngine's wgrad policy (not installed), under a Megatron-style hook"
+_TE_MODEL = "model of TransformerEngine's policy (not installed)"
 
 
 # --- the kernel ---------------------------------------------------------------------------------
@@ -526,8 +526,12 @@ def run_mixed(
     *,
     kernel: Kernel = GRADSAFE_KERNEL,
     store_factory: Callable[[], DelayedStore] = WeightGradStore,
+    grad_added_flag: bool = True,
 ) -> Run:
-    """One weight used in every way ``uses`` lists, in each backward, under Megatron-style hooks."""
+    """One weight used in every way ``uses`` lists, in each backward, under Megatron-style hooks.
+
+    ``grad_added_flag=False``: a wrapper without Megatron's flag.
+    """
     params = _mixed_params()
     delayed = any(use.startswith("delayed") for use in uses)
     store = store_factory() if delayed else None
@@ -546,7 +550,7 @@ def run_mixed(
         lambda x=x, ids=ids: _mixed_loss(x, ids, params, uses, linear)
         for x, ids in _mixed_data(microbatches)
     ]
-    return _drive(_MIX_NAMES, params, store, losses, grad_added_flag=True)
+    return _drive(_MIX_NAMES, params, store, losses, grad_added_flag=grad_added_flag)
 
 
 def check_mixed(

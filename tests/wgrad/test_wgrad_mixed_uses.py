@@ -65,3 +65,15 @@ def test_fused_use_inside_activation_checkpointing_keeps_the_outer_unfused_use(u
         return w.main_grad.clone()
 
     torch.testing.assert_close(run(fused=True), run(fused=False), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_every_mix_is_exact_without_the_flag(microbatches: int) -> None:
+    """A wrapper without grad_added_to_main_grad: fused uses return None, main_grad still exact."""
+    from gradsafe.wgrad._hazards import reference_mixed, run_mixed
+
+    for uses in PAIRS:
+        run = run_mixed(uses, microbatches, grad_added_flag=False)
+        ref = reference_mixed(uses, microbatches)
+        for got, want in zip(run.main_grads, ref.main_grads):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
