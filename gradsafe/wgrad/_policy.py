@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -70,7 +71,10 @@ def _current_backward() -> int:
     return int(torch._C._current_graph_task_id())
 
 
-def _on_incoming_grad(param_ref: weakref.ref[torch.Tensor], watch: _FlagWatch):  # type: ignore[no-untyped-def]
+def _on_incoming_grad(
+    param_ref: weakref.ref[torch.Tensor], watch: _FlagWatch
+) -> Callable[[torch.Tensor | None], None]:
+    # Holds the parameter weakly: the hook is stored on the parameter itself.
     def hook(grad: torch.Tensor | None) -> None:
         dummy, watch.dummy = watch.dummy, None
         if grad is None or grad is dummy:
