@@ -24,6 +24,8 @@ from typing import Literal
 
 import torch
 
+from gradsafe.wgrad.markers import hook_keeps_no_gradient
+
 __all__ = [
     "GraphedSite",
     "LeafFate",
@@ -209,8 +211,12 @@ def function_class_of(node: object) -> type | None:
 
 
 def has_tensor_hooks(t: torch.Tensor) -> bool:
-    """Whether ``t`` has hooks from ``Tensor.register_hook`` (which receive, and may keep, its gradient)."""
-    return bool(getattr(t, "_backward_hooks", None))
+    """Whether ``t`` has hooks from ``Tensor.register_hook`` that receive, and may keep, its gradient.
+
+    Hooks gradsafe declared as keeping nothing (the wgrad flag watcher) do not count.
+    """
+    hooks = getattr(t, "_backward_hooks", None) or {}
+    return any(not hook_keeps_no_gradient(h) for h in hooks.values())
 
 
 def is_accumulate_grad(node: object) -> bool:

@@ -1,9 +1,13 @@
 """Test utilities for users' own tests.
 
-:func:`emulate_cuda_graphs` runs CUDA-graph code (``torch.cuda.make_graphed_callables``,
-``torch.cuda.graph``, ``torch.cuda.CUDAGraph``) on a CPU-only machine with the
-static-memory semantics of real CUDA graphs, so graphed training loops can be
-tested in CPU CI.
+* :func:`emulate_cuda_graphs` runs CUDA-graph code (``torch.cuda.make_graphed_callables``,
+  ``torch.cuda.graph``, ``torch.cuda.CUDAGraph``) on a CPU-only machine with the
+  static-memory semantics and the strictness of real CUDA graphs, so graphed
+  training loops can be tested in CPU CI.
+* :class:`MegatronStyleDDP` registers Megatron-core's per-parameter
+  gradient-ready hooks (``main_grad`` accumulation, ``grad_added_to_main_grad``,
+  ``.grad`` cleared, ready counts) on a model, so a custom kernel's
+  weight-gradient return can be tested against them without Megatron.
 """
 
 from gradsafe.testing._cuda_emulation import (
@@ -12,5 +16,14 @@ from gradsafe.testing._cuda_emulation import (
     EmulatedStream,
     emulate_cuda_graphs,
 )
+from gradsafe.testing.megatron import GradReadyRegistry, HookCall, MegatronStyleDDP
 
-__all__ = ["EmulatedCUDAGraph", "EmulatedEvent", "EmulatedStream", "emulate_cuda_graphs"]
+__all__ = [
+    "EmulatedCUDAGraph",
+    "EmulatedEvent",
+    "EmulatedStream",
+    "GradReadyRegistry",
+    "HookCall",
+    "MegatronStyleDDP",
+    "emulate_cuda_graphs",
+]

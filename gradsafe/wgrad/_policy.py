@@ -1,4 +1,4 @@
-"""What a custom backward returns in a weight's gradient slot.
+"""What a custom backward returns in a weight's gradient slot, and the flag that says where the gradient went.
 
 Megatron-style data parallelism keeps an fp32 ``param.main_grad`` and hooks
 each parameter's AccumulateGrad node: the hook adds ``param.grad`` into
@@ -6,51 +6,120 @@ each parameter's AccumulateGrad node: the hook adds ``param.grad`` into
 ``param.grad``. A fused or delayed weight-gradient kernel must return, in the
 weight slot, something that hook handles right. :func:`wgrad_return` is the one
 answer for every such kernel.
+
+The flag is per parameter, but one backward may carry several gradients into
+the same ``.grad`` (a tied weight: a fused output head and an unfused
+embedding). gradsafe keeps one invariant for it:
+
+    ``grad_added_to_main_grad`` is True only while every gradient that
+    ``.grad`` holds, or is about to receive, is already in ``main_grad``.
+
+Three places keep it: :func:`wgrad_return` (fused, undelayed) sets it only if
+``.grad`` is empty; a tensor hook on the parameter clears it when AccumulateGrad
+receives anything but the dummy this backward returned (another use's real
+gradient); the W pass (:mod:`gradsafe.wgrad._store`) sets or clears it by the
+same rule. The hook then adds exactly the gradients that ``main_grad`` lacks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import weakref
+from collections.abc import Callable
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradsafe.wgrad.markers import mark_hook_keeps_no_gradient
 
 __all__ = ["dummy_wgrad", "wgrad_return"]
 
-# The one feature probe of this capability: torch >= 2.13 lets a thread relax
-# AccumulateGrad's gradient layout contract, and with it relaxed a zero-stride
-# gradient can be stolen as ``.grad`` (older torch always enforces it).
-_layout_enforced = getattr(torch._C, "_is_grad_layout_enforcement_enabled", lambda: True)
-
-# One shared element per (dtype, device), never written: see dummy_wgrad.
-_shared_zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _zero_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    zero = _shared_zeros.get((dtype, device))
-    if zero is None:
-        # setdefault: two autograd threads racing here agree on one element.
-        zero = _shared_zeros.setdefault((dtype, device), torch.zeros((), dtype=dtype, device=device))
-    return zero
+_FLAG = "grad_added_to_main_grad"
 
 
 def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
-    """A zero gradient with ``param``'s shape, dtype and device that costs no memory of its own.
+    """A zero gradient with ``param``'s shape, dtype and device backed by one element of memory.
 
-    It is a zero-stride view (``expand``) of one zero element. AccumulateGrad
-    never keeps a zero-stride gradient as ``.grad`` while the layout contract
-    is enforced (the default): with ``.grad`` None it copies the dummy into a
-    fresh ``param``-layout tensor (the same transient ``param``-sized buffer any
-    returned gradient costs; Megatron's hook frees it at once), otherwise it
-    adds zeros in place. So the shared element is cached per (dtype, device).
-    Where the calling thread has relaxed the contract
-    (``torch.autograd.enforce_grad_layout_policy(False)``), AccumulateGrad could
-    keep the view itself as ``.grad``, and an in-place ``fill_`` on that
-    ``.grad`` would write the shared element; there the element is fresh per
-    call (one element, owned by that ``.grad`` alone).
+    It is a zero-stride view (``expand``) of a zero element allocated for this
+    call alone, so nothing anyone does to it (a hook's ``fill_``, an
+    ``autograd.grad`` caller's ``.data.fill_``) reaches another gradient.
+    AccumulateGrad never keeps a zero-stride gradient as ``.grad`` while the
+    layout contract is enforced (the default): with ``.grad`` None it copies it
+    into a fresh ``param``-layout tensor (the transient ``param``-sized buffer
+    any returned gradient costs; Megatron's hook frees it at once), otherwise
+    it adds zeros in place. In-place arithmetic on the view itself
+    (``mul_``, ``clamp_``, ``add_``) raises torch's "more than one element ...
+    refers to a single memory location" error, as on any expanded tensor.
     """
-    if _layout_enforced():
-        zero = _zero_element(param.dtype, param.device)
-    else:
-        zero = torch.zeros((), dtype=param.dtype, device=param.device)
-    return zero.expand(param.shape)
+    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+@dataclasses.dataclass
+class _FlagWatch:
+    """Per flagged parameter: the one dummy the running backward carries into its AccumulateGrad."""
+
+    task: int = -1  # autograd graph task that received ``dummy``
+    dummy: torch.Tensor | None = None
+
+
+_watches: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_watch_lock = threading.Lock()
+
+
+def _current_backward() -> int:
+    # Private torch API (present on every supported torch): the running graph
+    # task's id, -1 outside a backward. Each backward call gets a new one.
+    return int(torch._C._current_graph_task_id())
+
+
+def _on_incoming_grad(
+    param_ref: weakref.ref[torch.Tensor], watch: _FlagWatch
+) -> Callable[[torch.Tensor | None], None]:
+    # Holds the parameter weakly: the hook is stored on the parameter itself.
+    def hook(grad: torch.Tensor | None) -> None:
+        dummy, watch.dummy = watch.dummy, None
+        if grad is None or grad is dummy:
+            return  # nothing arrives, or only the zero this backward's fused uses returned
+        param = param_ref()
+        if param is not None and hasattr(param, _FLAG):
+            # A real gradient (another, unfused use) is on its way into .grad and
+            # is not in main_grad: the hook must add .grad.
+            setattr(param, _FLAG, False)
+
+    mark_hook_keeps_no_gradient(hook)
+    return hook
+
+
+def watch_flag(param: torch.Tensor) -> _FlagWatch | None:
+    """Start (once) clearing ``param``'s flag when a real gradient reaches its AccumulateGrad.
+
+    Returns None where there is nothing to keep: no flag, or not a leaf autograd accumulates into.
+    """
+    if not (hasattr(param, _FLAG) and param.requires_grad and param.grad_fn is None):
+        return None
+    watch = _watches.get(param)
+    if watch is None:
+        with _watch_lock:  # two autograd device threads may meet the same parameter
+            watch = _watches.get(param)
+            if watch is None:
+                watch = _FlagWatch()
+                # Registered during a backward, it already runs in that backward.
+                param.register_hook(_on_incoming_grad(weakref.ref(param), watch))
+                _watches[param] = watch
+    return watch
+
+
+def flag_main_grad_written(param: torch.Tensor) -> None:
+    """A use's gradient went straight into ``main_grad``: the flag may say so if ``.grad`` is empty."""
+    if hasattr(param, _FLAG) and param.grad is None:
+        setattr(param, _FLAG, True)
+
+
+def flag_grad_written(param: torch.Tensor) -> None:
+    """A gradient went into ``.grad`` outside autograd (the W pass): ``main_grad`` lacks it."""
+    if hasattr(param, _FLAG):
+        setattr(param, _FLAG, False)
 
 
 def wgrad_return(
@@ -81,7 +150,7 @@ def wgrad_return(
     no      no                  –                            ``wgrad``
     yes     no                  –                            None
     no      yes                 no                           None
-    no      yes                 yes                          set it True, a dummy
+    no      yes                 yes                          a dummy (flag set)
     yes     yes                 no                           None
     yes     yes                 yes                          None (W does the rest)
     ======= =================== ============================ ==========================
@@ -89,8 +158,12 @@ def wgrad_return(
     The dummy (:func:`dummy_wgrad`) is a zero gradient: AccumulateGrad and its
     hooks then run on the same thread as the rest of this device's backward
     and see a non-None ``.grad``, which the hook does not add again because
-    ``grad_added_to_main_grad`` is True. Never return a view of ``main_grad``:
-    AccumulateGrad copies it into ``.grad`` and a hook adds it a second time.
+    ``grad_added_to_main_grad`` is True. Other uses of the same parameter in
+    the same backward keep their gradient: a second fused use returns None
+    (one dummy per backward is enough), and an unfused use's real gradient
+    clears the flag as it reaches AccumulateGrad, so the hook adds ``.grad``.
+    Never return a view of ``main_grad``: AccumulateGrad copies it into
+    ``.grad`` and a hook adds it a second time.
     """
     if delayed:
         return None
@@ -101,7 +174,15 @@ def wgrad_return(
                 "accumulated into main_grad; pass the computed weight gradient"
             )
         return wgrad
-    if not hasattr(param, "grad_added_to_main_grad"):
+    if not hasattr(param, _FLAG):
         return None
-    param.grad_added_to_main_grad = True
-    return dummy_wgrad(param)
+    flag_main_grad_written(param)
+    watch = watch_flag(param)
+    if watch is None:  # not a leaf that autograd accumulates into: nothing else to track
+        return dummy_wgrad(param)
+    task = _current_backward()
+    if task != -1 and watch.task == task:
+        return None  # this backward already carries a dummy into param's AccumulateGrad
+    watch.task = task
+    watch.dummy = dummy_wgrad(param)
+    return watch.dummy

@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WgradClosure"]
@@ -83,9 +84,10 @@ class PendingWeightGrads:
         For each parameter, in the order B first recorded it: run all its
         uses (a tied weight's uses are all complete before anything else
         happens to it), then accumulate — never overwrite — into
-        ``main_grad`` (uses recorded as fused) or ``.grad``, set
-        ``grad_added_to_main_grad`` where it exists and the gradient went into
-        ``main_grad``, and fire the parameter's grad-ready hooks once each, on
+        ``main_grad`` (uses recorded as fused) and ``.grad`` (the others), set
+        ``grad_added_to_main_grad`` where it exists so that it is True only if
+        ``.grad`` holds nothing ``main_grad`` lacks (``.grad`` may hold an
+        undelayed use's gradient from B), and fire the parameter's grad-ready hooks once each, on
         this thread, with ``.grad`` not None (a fresh zero ``.grad`` is set if
         none exists, so hooks that assert it, as Megatron's does, hold).
         """
@@ -110,10 +112,14 @@ class PendingWeightGrads:
         with torch.no_grad():
             for uses in by_param.values():
                 param = uses[0].param
-                if uses[0].accumulate_into_main_grad:
-                    _accumulate_into_main_grad(param, uses)
-                else:
-                    _accumulate_into_grad(param, uses)
+                fused = [use for use in uses if use.accumulate_into_main_grad]
+                unfused = [use for use in uses if not use.accumulate_into_main_grad]
+                if fused:
+                    _accumulate_into_main_grad(param, fused)
+                    flag_main_grad_written(param)
+                if unfused:
+                    _accumulate_into_grad(param, unfused)
+                    flag_grad_written(param)
                 hooks = self._hooks.get(param)
                 if hooks:
                     if param.grad is None:
@@ -136,8 +142,6 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 "a fused WgradClosure returned a tensor; when called with main_grad it must add "
                 "its gradient into main_grad and return None"
             )
-    if hasattr(param, "grad_added_to_main_grad"):
-        param.grad_added_to_main_grad = True
 
 
 def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
@@ -151,7 +155,8 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 f"{tuple(param.shape)}, got {got}"
             )
         total = wgrad if total is None else total.add_(wgrad)
-    assert total is not None
+    if total is None:  # callers pass at least one use
+        return
     if param.grad is None:
         # AccumulateGrad's layout contract: .grad has the parameter's strides.
         if total.stride() != param.stride() or total.dtype != param.dtype:
@@ -185,14 +190,10 @@ class WeightGradStore:
         hook.
         """
         mark_delayed_wgrad(param)
+        # An undelayed use of param in this backward delivers its gradient into
+        # .grad at AccumulateGrad; W must then leave it for the hook to add.
+        watch_flag(param)
         with self._lock:
-            for use in self._open:
-                if use.param is param and use.accumulate_into_main_grad != accumulate_into_main_grad:
-                    raise ValueError(
-                        "WeightGradStore.record: the same parameter was recorded both with and "
-                        "without accumulate_into_main_grad in one B pass; use one setting per "
-                        "parameter"
-                    )
             self._open.append(_Use(param, compute, accumulate_into_main_grad))
 
     def seal(self) -> PendingWeightGrads:

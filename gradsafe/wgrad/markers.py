@@ -1,15 +1,25 @@
-"""Which parameters have their gradient lifetime managed by a delayed weight-gradient path.
+"""What the wgrad library tells the CUDA-graphs wrapper about parameters and hooks.
 
-The CUDA-graphs wrapper leaves such parameters' returned gradients alone (the
-returned gradient is a dummy; the real one is written at W time), so the two
-capabilities share this one definition.
+* Parameters whose gradient lifetime is managed by a delayed weight-gradient
+  path: the CUDA-graphs wrapper leaves their returned gradients alone (the
+  returned gradient is a dummy; the real one is written at W time).
+* Tensor hooks gradsafe registers that only look at the incoming gradient and
+  keep no reference to it: the CUDA-graphs wrapper need not copy a static
+  buffer for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["grad_lifetime_is_managed", "mark_delayed_wgrad"]
+__all__ = [
+    "grad_lifetime_is_managed",
+    "hook_keeps_no_gradient",
+    "mark_delayed_wgrad",
+    "mark_hook_keeps_no_gradient",
+]
 
 # gradsafe's own marker; TransformerEngine/Megatron use ``skip_backward_post_hook``.
 _MARKER = "_gradsafe_delayed_wgrad"
@@ -23,3 +33,16 @@ def mark_delayed_wgrad(param: torch.Tensor) -> None:
 def grad_lifetime_is_managed(param: torch.Tensor) -> bool:
     """True if a delayed-wgrad path (gradsafe's or TransformerEngine's) owns ``param``'s gradient."""
     return bool(getattr(param, _MARKER, False) or getattr(param, "skip_backward_post_hook", False))
+
+
+_HOOK_MARKER = "_gradsafe_keeps_no_gradient"
+
+
+def mark_hook_keeps_no_gradient(hook: Callable[..., object]) -> None:
+    """Declare that the tensor hook ``hook`` neither keeps nor changes the gradient it receives."""
+    setattr(hook, _HOOK_MARKER, True)
+
+
+def hook_keeps_no_gradient(hook: object) -> bool:
+    """Whether ``hook`` was declared with :func:`mark_hook_keeps_no_gradient`."""
+    return bool(getattr(hook, _HOOK_MARKER, False))

@@ -51,3 +51,18 @@ def test_tensor_hooks_are_visible() -> None:
     nonleaf = leaf * 2
     nonleaf.register_hook(lambda g: None)
     assert has_tensor_hooks(nonleaf)
+
+
+def test_hooks_declared_as_keeping_nothing_do_not_count() -> None:
+    from gradsafe.wgrad.markers import mark_hook_keeps_no_gradient
+
+    leaf = torch.ones(2, requires_grad=True)
+
+    def watcher(grad: torch.Tensor) -> None:
+        pass
+
+    mark_hook_keeps_no_gradient(watcher)
+    leaf.register_hook(watcher)
+    assert not has_tensor_hooks(leaf)  # e.g. gradsafe.wgrad's grad_added_to_main_grad watcher
+    leaf.register_hook(lambda g: None)
+    assert has_tensor_hooks(leaf)

@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from gradsafe.wgrad import fused_linear, wgrad_return
+from gradsafe.wgrad import wgrad_return
+from gradsafe.wgrad._hazards import repro_linear
 
 
 def _hook_and_backward_threads(return_none: bool) -> tuple[int, int, bool]:
@@ -33,7 +34,7 @@ def _hook_and_backward_threads(return_none: bool) -> tuple[int, int, bool]:
 
     node.register_hook(hook)
     x = torch.randn(4, 8, device="cuda", requires_grad=True)
-    fused_linear(x, w, accumulate_into_main_grad=True, policy=policy).sum().backward()
+    repro_linear(x, w, fuse=True, store=None, policy=policy).sum().backward()
     torch.cuda.synchronize()
     return seen["hook"], seen["backward"], grad_none[0]
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsafe.wgrad import WeightGradStore, fused_linear, wgrad_return
-from gradsafe.wgrad._hazards import _te_policy, _TEStyleStore
-from gradsafe.wgrad._emulation import Config, compare, reference, run_config
+from gradsafe.wgrad import WeightGradStore, wgrad_return
+from gradsafe.wgrad._hazards import (
+    TE_KERNEL,
+    Config,
+    TEStyleStore,
+    check_config,
+    compare,
+    kernel_with,
+    reference,
+    repro_linear,
+    run_config,
+)
 
 NOW_FUSED_FLAG = Config(delayed=False, fused=True, has_flag=True)
 NOW_FUSED_NO_FLAG = Config(delayed=False, fused=True, has_flag=False)
@@ -36,37 +45,38 @@ def _return_none_when_fused(param, wgrad, *, accumulated_into_main_grad, delayed
     )
 
 
+def _wrong(problems: list[str], name: str) -> bool:
+    return any(p.startswith(f"{name}: main_grad wrong") for p in problems)
+
+
 def test_live_view_of_main_grad_double_accumulates(ref) -> None:  # type: ignore[no-untyped-def]
-    run = run_config(NOW_FUSED_NO_FLAG, policy=_return_main_grad_view)
-    problems = compare(run, ref, hook_sees_grad=False)
-    assert "w1: main_grad wrong" in problems
+    problems = check_config(NOW_FUSED_NO_FLAG, ref=ref, kernel=kernel_with(_return_main_grad_view))
+    assert _wrong(problems, "w1")
 
 
 def test_none_despite_the_flag_leaves_the_hook_without_grad(ref) -> None:  # type: ignore[no-untyped-def]
     # Megatron asserts here ("param.grad being None is not safe"); on a GPU the hook
     # would also run on autograd's CPU thread instead of the device thread.
-    run = run_config(NOW_FUSED_FLAG, policy=_return_none_when_fused)
-    assert "w1: hook saw .grad None" in compare(run, ref)
+    problems = check_config(NOW_FUSED_FLAG, ref=ref, kernel=kernel_with(_return_none_when_fused))
+    assert "w1: hook saw .grad None" in problems
 
 
 def test_delayed_w_that_assigns_grad_loses_a_tied_use(ref) -> None:  # type: ignore[no-untyped-def]
-    run = run_config(DELAYED_UNFUSED, policy=_te_policy, store_factory=_TEStyleStore)
-    problems = compare(run, ref)
-    assert "w2 (tied): main_grad wrong" in problems
-    assert "w1: main_grad wrong" not in problems  # untied weights hide the bug
+    problems = check_config(DELAYED_UNFUSED, ref=ref, kernel=TE_KERNEL, store_factory=TEStyleStore)
+    assert _wrong(problems, "w2 (tied)")
+    assert not _wrong(problems, "w1")  # untied weights hide the bug
 
 
 def test_te_policy_is_right_elsewhere(ref) -> None:  # type: ignore[no-untyped-def]
     for config in (NOW_FUSED_FLAG, DELAYED_FUSED_FLAG):
-        run = run_config(config, policy=_te_policy, store_factory=_TEStyleStore)
-        assert compare(run, ref) == []
+        assert check_config(config, ref=ref, kernel=TE_KERNEL, store_factory=TEStyleStore) == []
 
 
 @pytest.mark.parametrize("config", [DELAYED_UNFUSED, DELAYED_FUSED_FLAG], ids=str)
 def test_hooking_accumulategrad_of_delayed_params_fires_early(config: Config, ref) -> None:  # type: ignore[no-untyped-def]
     """The weight slot returns None in B, yet AccumulateGrad's hooks run there: too early."""
-    run = run_config(config, ddp_honours_marks=False)
-    problems = compare(run, ref)
+    run = run_config(config, mark_before_ddp=False)
+    problems = compare(run, ref, hooks_see_grad=(True, True, True))
     assert "w1: hook saw .grad None" in problems
     assert any(p.startswith("w2 (tied): ") for p in problems)
 
@@ -76,7 +86,7 @@ def test_post_accumulate_grad_hook_on_delayed_param_fires_in_b_with_none() -> No
     w = torch.nn.Parameter(torch.randn(3, 2))
     seen: list[bool] = []
     w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is None))
-    fused_linear(torch.randn(4, 2), w, wgrad_store=store).sum().backward()
+    repro_linear(torch.randn(4, 2), w, fuse=False, store=store).sum().backward()
     assert seen == [True]  # fired in B, gradient not there: an optimizer step here is lost
     store.seal().run()
     assert seen == [True]  # and never again when the gradient arrives
@@ -111,7 +121,7 @@ def test_running_accumulategrad_again_at_w_fires_its_hooks_twice() -> None:
     saw_grad: list[bool] = []
     node.register_hook(lambda _gi, _go: saw_grad.append(w.grad is not None))
     x = torch.randn(4, 2)
-    fused_linear(x, w, wgrad_store=store).sum().backward()  # B: slot returns None
+    repro_linear(x, w, fuse=False, store=store).sum().backward()  # B: slot returns None
     store.seal()  # (W's closures are not needed for this demonstration)
     torch.autograd.backward([get_gradient_edge(w)], [torch.ones(4, 3).t() @ x])
     assert saw_grad == [False, True]  # once in B without a gradient, once more at W

@@ -51,9 +51,9 @@ def test_dummy_costs_one_element(dtype: torch.dtype) -> None:
     assert dummy.shape == param.shape and dummy.dtype == dtype and dummy.device == param.device
     assert dummy.stride() == (0, 0)
     assert dummy.untyped_storage().nbytes() == dummy.element_size()
-    # One shared element per (dtype, device) while the layout contract is enforced.
+    # Its own element: nothing written into one dummy reaches another.
     other = dummy_wgrad(torch.nn.Parameter(torch.randn(7, dtype=dtype)))
-    assert other.data_ptr() == dummy.data_ptr()
+    assert other.untyped_storage().data_ptr() != dummy.untyped_storage().data_ptr()
 
 
 class _ReturnsDummy(torch.autograd.Function):
@@ -70,6 +70,111 @@ class _ReturnsDummy(torch.autograd.Function):
 def _backward_through_dummy(param: torch.Tensor) -> None:
     x = torch.randn(3, requires_grad=True)
     _ReturnsDummy.apply(x, param).sum().backward()
+
+
+class _FusedFlagged(torch.autograd.Function):
+    """A fused kernel on a flagged parameter: its gradient already went to main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        ctx.w = w
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g, wgrad_return(ctx.w, None, accumulated_into_main_grad=True, delayed=False)
+
+
+def _flagged(*shape: int) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.randn(*shape))
+    p.main_grad = torch.zeros(*shape)
+    p.grad_added_to_main_grad = False
+    return p
+
+
+def _fused_loss(p: torch.Tensor) -> torch.Tensor:
+    return _FusedFlagged.apply(torch.randn(3, requires_grad=True), p).sum()
+
+
+WRITES = {
+    "fill_": lambda g: g.fill_(7.0),
+    # (torch warns that masked_fill_ on an expanded tensor is deprecated, and does it)
+    "masked_fill_": lambda g: g.masked_fill_(torch.ones(g.shape, dtype=torch.bool), 7.0),
+    "data.fill_": lambda g: g.data.fill_(7.0),
+    "zero_ then fill_": lambda g: g.zero_().fill_(7.0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Use of masked_fill_ on expanded tensors")
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_a_hook_writing_the_dummy_changes_no_other_gradient(write) -> None:  # type: ignore[no-untyped-def]
+    p, q = _flagged(5, 4), _flagged(5, 4)
+
+    def hook(grad: torch.Tensor) -> None:  # a tensor hook receives the dummy
+        write(grad)
+
+    p.register_hook(hook)
+    _fused_loss(p).backward()
+    _fused_loss(q).backward()
+    _fused_loss(p).backward()
+    assert bool((q.grad == 0).all())
+    assert dummy_wgrad(q).abs().sum().item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:Use of masked_fill_ on expanded tensors")
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_an_autograd_grad_caller_writing_the_dummy_changes_no_other_gradient(write) -> None:  # type: ignore[no-untyped-def]
+    p, q = _flagged(5, 4), _flagged(5, 4)
+    (gp,) = torch.autograd.grad(_fused_loss(p), [p])
+    assert gp.stride() == (0, 0)  # the caller holds the dummy itself
+    write(gp)
+    (gq,) = torch.autograd.grad(_fused_loss(q), [q])
+    assert bool((gq == 0).all())
+    _fused_loss(q).backward()
+    assert bool((q.grad == 0).all())
+
+
+def test_in_place_arithmetic_on_the_dummy_raises_instead_of_writing_it() -> None:
+    """What a one-element dummy cannot support: torch refuses, naming clone()."""
+    p = _flagged(5, 4)
+
+    def hook(grad: torch.Tensor) -> None:
+        grad.mul_(2.0)
+
+    handle = p.register_hook(hook)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        _fused_loss(p).backward()
+    handle.remove()
+    p.register_hook(lambda g: g.clone().mul_(2.0))  # the fix the message names
+    _fused_loss(p).backward()
+    assert bool((p.grad == 0).all())
+
+
+def test_one_dummy_per_backward_for_tied_fused_uses() -> None:
+    """A second fused use in the same backward returns None: the first dummy is enough."""
+    p = _flagged(5, 4)
+    returned: list[torch.Tensor | None] = []
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+            ctx.w = w
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            returned.append(wgrad_return(ctx.w, None, accumulated_into_main_grad=True, delayed=False))
+            return g, returned[-1]
+
+    seen: list[torch.Tensor] = []
+    p.register_hook(lambda g: seen.append(g))
+    x = torch.randn(3, requires_grad=True)
+    Fused.apply(Fused.apply(x, p), p).sum().backward()
+    assert [r is None for r in returned] == [False, True]
+    assert seen[0] is returned[0]  # AccumulateGrad got the dummy itself, no sum
+    assert p.grad_added_to_main_grad is True
+    Fused.apply(x, p).sum().backward()  # the next backward gets its own dummy
+    assert returned[-1] is not None
 
 
 def test_accumulategrad_copies_the_dummy_and_never_keeps_it() -> None:
