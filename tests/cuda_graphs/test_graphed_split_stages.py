@@ -216,6 +216,7 @@ def test_equals_fused_and_eager_split(env: Env, model: str, order_name: str) -> 
     split = copy.deepcopy(run.modules)
     stages = make_graphed_split_callables(run.modules, run.sample_args(), order)
     hooks = HookCounter(run.modules)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # input gradients of earlier steps, and their values
     for step in range(run.steps):
         for mods in (fused, split, run.modules):
             for mod in mods:
@@ -226,6 +227,9 @@ def test_equals_fused_and_eager_split(env: Env, model: str, order_name: str) -> 
         for key in want:
             _assert_close(got[key], want[key], f"step {step} input grad {key}")
             _assert_close(eager[key], want[key], f"step {step} eager input grad {key}")
+        for held, value in kept:
+            assert torch.equal(held, value), "an input gradient returned earlier was overwritten by a replay"
+        kept += [(g, g.clone()) for g in got.values()]
         _assert_param_grads(run.modules, fused, f"step {step} vs fused")
         _assert_param_grads(run.modules, split, f"step {step} vs eager split")
     assert stages.position == 0 and stages.state is SplitStageState.READY
