@@ -28,9 +28,10 @@ during a capture is read (a real capture records without executing).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from torch.autograd.graph import GradientEdge
 from gradsafe.cuda_graphs._structure import has_tensor_hooks, is_accumulate_grad, leaf_fate
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
 from gradsafe.pipelining import stage_backward_input
-from gradsafe.pipelining._handoff import WeightGradHandoff
+from gradsafe.pipelining._handoff import HandoffState, WeightGradHandoff
 from gradsafe.pipelining._weight_pass import weight_edge_grads
 
 __all__ = [
@@ -76,8 +77,8 @@ class SplitStageState(enum.Enum):
 
     #: Captured; replays follow the capture order.
     READY = "ready"
-    #: A replay raised after its graph ran (a gradient hook, a copy): the step is
-    #: unfinished and must be restarted with ``restart_step()``.
+    #: A replay raised after its entry was claimed (a gradient hook, a copy): the
+    #: step is unfinished and must be restarted with ``restart_step()``.
     BROKEN_STEP = "broken-step"
 
 
@@ -106,7 +107,11 @@ class _StageFunction(torch.autograd.Function):
     """One microbatch's forward replay; its backward is that microbatch's B replay."""
 
     @staticmethod
-    def forward(ctx: Any, stages: GraphedSplitStages, slot: _Slot, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, stages: GraphedSplitStages, slot: _Slot, anchor: torch.Tensor, *inputs: torch.Tensor
+    ) -> Any:
+        # ``anchor`` requires grad when the chunk has parameters, so the outputs do
+        # (and B runs) even when no input requires grad (a pipeline's first stage).
         ctx.stages, ctx.slot = stages, slot
         outputs = tuple(o.detach() for o in slot.static_outputs)
         ctx.mark_non_differentiable(
@@ -227,33 +232,48 @@ class GraphedSplitStages:
 
     def _forward(self, chunk: int, args: tuple[Any, ...]) -> Any:
         flat = torch.utils._pytree.arg_tree_leaves(*args)
-        expected = len(self._slots[(chunk, self.order.microbatches(chunk)[0])].static_inputs)
-        if len(flat) != expected:
+        statics = self._slots[(chunk, self.order.microbatches(chunk)[0])].static_inputs
+        if len(flat) != len(statics) or any(
+            not isinstance(v, torch.Tensor) or v.shape != s.shape or v.dtype != s.dtype
+            for v, s in zip(flat, statics)
+        ):
             raise TypeError(
-                f"graphed chunk {chunk} takes {expected} tensor arguments (as its sample_args), "
-                f"got {len(flat)}"
+                f"graphed chunk {chunk} takes tensors shaped like its sample_args "
+                f"{[(tuple(s.shape), s.dtype) for s in statics]}, got "
+                f"{[(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__ for v in flat]}"
             )
         entry = self._take(EntryKind.FORWARD, chunk, None)
         slot = self._slots[(chunk, entry.microbatch)]
-        with torch.no_grad():
-            for static, value in zip(slot.static_inputs, flat):
-                if static.data_ptr() != value.data_ptr():
-                    static.copy_(value)
-        slot.fwd_graph.replay()
-        outputs = _StageFunction.apply(self, slot, self._anchors[chunk], *flat)
+        with self._step_breaks_on_error():
+            with torch.no_grad():
+                for static, value in zip(slot.static_inputs, flat):
+                    if static.data_ptr() != value.data_ptr():
+                        static.copy_(value)
+            slot.fwd_graph.replay()
+            outputs = _StageFunction.apply(self, slot, self._anchors[chunk], *flat)
         return torch.utils._pytree.tree_unflatten(list(outputs), slot.output_spec)
 
     def _replay_dgrad(self, slot: _Slot, grads: Sequence[torch.Tensor | None]) -> None:
         self._take(EntryKind.DGRAD, slot.chunk, slot.microbatch)
-        for static, grad in zip(slot.static_grad_outputs, grads):
-            if static is None:
-                continue
-            if grad is None:
-                static.zero_()
-            elif grad.data_ptr() != static.data_ptr():
-                static.copy_(grad)
-        slot.dgrad_graph.replay()
+        with self._step_breaks_on_error():
+            for static, grad in zip(slot.static_grad_outputs, grads):
+                if static is None:
+                    continue
+                if grad is None:
+                    static.zero_()
+                elif grad.data_ptr() != static.data_ptr():
+                    static.copy_(grad)
+            slot.dgrad_graph.replay()
         self._last_dgrad[slot.chunk] = slot.microbatch
+
+    @contextlib.contextmanager
+    def _step_breaks_on_error(self) -> Iterator[None]:
+        """An error after an entry was claimed leaves the step unfinished: refuse until restart_step()."""
+        try:
+            yield
+        except BaseException:
+            self._state = SplitStageState.BROKEN_STEP
+            raise
 
     def backward_weight(self, chunk: int) -> None:
         """W of ``chunk``: replay the W graph the order names next and accumulate the weight gradients.
@@ -293,12 +313,11 @@ class GraphedSplitStages:
         return build
 
     def _run_wgrad(self, slot: _Slot) -> None:
-        slot.wgrad_graph.replay()
-        params = self._params[slot.chunk]
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        try:
-            for p, static in zip(params, slot.static_grad_params):
+        with self._step_breaks_on_error():
+            slot.wgrad_graph.replay()
+            roots: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            for p, static in zip(self._params[slot.chunk], slot.static_grad_params):
                 if static is None:
                     continue
                 # AccumulateGrad keeps the incoming tensor as .grad when .grad is None, and a
@@ -310,14 +329,8 @@ class GraphedSplitStages:
                     grads.append(static)
                 roots.append(p)
             if roots:
+                # Roots are the parameters' AccumulateGrad nodes: one engine run, each once.
                 torch.autograd.backward(roots, grads)
-        except BaseException:
-            self._state = SplitStageState.BROKEN_STEP
-            raise
-
-
-def _empty_grad_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(t)
 
 
 def _backward_input(slot: _Slot, params: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor | None, ...], WeightGradHandoff]:
@@ -350,8 +363,6 @@ def _weight_grads(handoff: WeightGradHandoff, params: tuple[torch.Tensor, ...]) 
             allow_unused=True,
         )
         result = {id(p): g for p, g in zip(wanted, got)}
-    from gradsafe.pipelining._handoff import HandoffState
-
     handoff._finish(HandoffState.CONSUMED)
     return tuple(result.get(id(p)) for p in params)
 
@@ -461,7 +472,7 @@ def make_graphed_split_callables(
                     warm,
                     static_outputs=outputs,
                     static_grad_outputs=tuple(
-                        _empty_grad_like(o) if o.requires_grad else None for o in outputs
+                        torch.zeros_like(o) if o.requires_grad else None for o in outputs
                     ),
                 )
                 _, handoff = _backward_input(trial, params[c])
@@ -483,7 +494,7 @@ def make_graphed_split_callables(
             slot.static_outputs = tuple(flat_out)
             # Outside the pool: written by the caller before each B replay.
             slot.static_grad_outputs = tuple(
-                _empty_grad_like(o) if o.requires_grad else None for o in slot.static_outputs
+                torch.zeros_like(o) if o.requires_grad else None for o in slot.static_outputs
             )
         elif entry.kind is EntryKind.DGRAD:
             slot.dgrad_graph = torch.cuda.CUDAGraph()
@@ -491,12 +502,12 @@ def make_graphed_split_callables(
                 slot.static_grad_inputs, slot.handoff = _backward_input(slot, ps)
         else:
             slot.wgrad_graph = torch.cuda.CUDAGraph()
-            handoff, slot.handoff = slot.handoff, None
-            if handoff is None:  # CaptureOrder puts each wgrad after its dgrad
+            pending, slot.handoff = slot.handoff, None
+            if pending is None:  # CaptureOrder puts each wgrad after its dgrad
                 raise RuntimeError(f"internal: {entry} captured before its dgrad")
             with torch.cuda.graph(slot.wgrad_graph, pool=pool):
-                slot.static_grad_params = _weight_grads(handoff, ps)
-            del handoff
+                slot.static_grad_params = _weight_grads(pending, ps)
+            del pending
             # The microbatch's autograd graph (activations, B's records) is dead after
             # W: let later captures in the pool reuse its memory, as the replay
             # order allows.
