@@ -317,6 +317,9 @@ def test_out_of_order_replays_are_refused_before_anything_runs(env: Env) -> None
     fused = copy.deepcopy(run.modules)  # before graphing replaces forward
     stages = make_graphed_split_callables(run.modules, run.sample_args(), order)
     first = order.entries[0]
+    with pytest.raises(TypeError, match="shaped like its sample_args"):
+        stages.callables[first.chunk](torch.randn(1, WIDTH, dtype=D, device=env.device))
+    assert stages.position == 0 and stages.state is SplitStageState.READY
     other = 1 - first.chunk
     x = run.x[(0, other, 0)]
     with pytest.raises(ReplayOrderError) as info:
