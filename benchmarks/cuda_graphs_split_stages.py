@@ -178,10 +178,8 @@ def _transformer_block(width: int) -> torch.nn.Module:
     return Block()
 
 
-def gpu_step_time() -> None:
-    device = torch.device("cuda")
+def step_time(device: torch.device, width: int = 1024, batch: int = 4, seq: int = 512) -> None:
     order = CaptureOrder.from_schedule_class(schedules.ScheduleZBVZeroBubble, rank=0, ranks=2, microbatches=4)
-    width, batch, seq = 1024, 4, 512
     torch.manual_seed(0)
     modules = [torch.nn.Sequential(*(_transformer_block(width) for _ in range(6))).to(device) for _ in order.chunks]
     eager = copy.deepcopy(modules)
@@ -250,7 +248,7 @@ def main() -> None:
                 for via in ("autograd.grad", "Tensor.backward"):
                     print(count_copies(device, rank, set_to_none, via))
     if gpu:
-        gpu_step_time()
+        step_time(device)
     else:
         print("\nstep time (part 3): needs a GPU; not measured")
 
