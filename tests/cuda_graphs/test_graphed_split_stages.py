@@ -77,7 +77,32 @@ class TiedNorm(torch.nn.Module):
         return self.norm(x @ self.w.t()) @ self.w
 
 
-MODELS = {"nested": Nested, "tied-norm": TiedNorm}
+class _MatmulFn(torch.autograd.Function):
+    """``x @ w`` as a custom Function: W drives it through the engine, not by a direct call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return (g @ w.t() if ctx.needs_input_grad[0] else None, x.t() @ g if ctx.needs_input_grad[1] else None)
+
+
+class CustomFunction(torch.nn.Module):
+    """A custom autograd.Function using one weight at two nested sites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(WIDTH, WIDTH, dtype=D) / WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MatmulFn.apply(torch.tanh(_MatmulFn.apply(x, self.w)), self.w)
+
+
+MODELS = {"nested": Nested, "tied-norm": TiedNorm, "custom-function": CustomFunction}
 
 ORDERS = {
     "zbv-2ranks-rank0": lambda: CaptureOrder.from_schedule_class(
