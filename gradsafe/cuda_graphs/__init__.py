@@ -24,6 +24,12 @@ from gradsafe.cuda_graphs.capture_order import (
     TEOrder,
 )
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
+from gradsafe.cuda_graphs.split_stages import (
+    GraphedSplitStages,
+    ReplayOrderError,
+    SplitStageState,
+    make_graphed_split_callables,
+)
 from gradsafe.cuda_graphs._structure import (
     UnsupportedTorchError,
     find_graphed_site,
@@ -35,11 +41,15 @@ __all__ = [
     "CaptureOrder",
     "CaptureOrderError",
     "EntryKind",
+    "GraphedSplitStages",
     "Ownership",
+    "ReplayOrderError",
     "Rule",
+    "SplitStageState",
     "TEOrder",
     "UnsupportedTorchError",
     "make_graphed_callables",
+    "make_graphed_split_callables",
 ]
 
 
