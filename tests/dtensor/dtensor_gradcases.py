@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
+
+from gradsafe.dtensor._hazards import CollectiveCounter
 
 LAYOUTS = ("contiguous", "transposed", "expanded", "channels_last")
 
@@ -26,6 +27,7 @@ PLACEMENTS: tuple[tuple[str, int, tuple[Placement, ...], tuple[Placement, ...]],
     ("R>P(sum)", 1, (Replicate(),), (Partial("sum"),)),
     ("R>P(avg)", 1, (Replicate(),), (Partial("avg"),)),
     ("R>P(max)", 1, (Replicate(),), (Partial("max"),)),
+    ("R>P(min)", 1, (Replicate(),), (Partial("min"),)),
     ("S0", 1, (Shard(0),), (Shard(0),)),
     ("S1", 1, (Shard(1),), (Shard(1),)),
     ("RR>PP(sum)", 2, (Replicate(), Replicate()), (Partial("sum"), Partial("sum"))),
@@ -115,7 +117,7 @@ def run(case: Case, mesh: DeviceMesh) -> Outcome:
         weight.register_hook(lambda g: held.append(g))
     rank = dist.get_rank()
     steps = 2 if case.existing_grad else 1
-    comm = CommDebugMode()
+    comm = CollectiveCounter()
     for step in range(steps):
         local = weight.to_local(grad_placements=grad_pl)
         coeff = local_coeff(case, local.shape, rank, step)
@@ -130,7 +132,7 @@ def run(case: Case, mesh: DeviceMesh) -> Outcome:
     local_grad = grad.to_local()
     return Outcome(
         placements=grad.placements,
-        collectives=comm.get_total_counts(),
+        collectives=comm.total,
         param_stride=weight.stride(),
         grad_stride=grad.stride(),
         param_local_stride=weight.to_local().stride(),
@@ -192,32 +194,3 @@ def expected_global_grad(case: Case, mesh: DeviceMesh) -> torch.Tensor:
             }
         total += pieces[()]
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class Accumulation:
-    """What adding a second gradient into an existing ``.grad`` costs by itself."""
-
-    placements: tuple[Placement, ...] | None  # None: the add itself raises
-    collectives: int
-    error: str = ""
-
-
-def accumulation_reference(case: Case, mesh: DeviceMesh) -> Accumulation:
-    """Run AccumulateGrad's own accumulation op on fresh DTensors with the gradient placements.
-
-    Without ``create_graph`` AccumulateGrad adds in place (``grad += new``),
-    with it out of place (``grad + new``). Whatever that op needs (e.g. a
-    Partial(max) sum must be reduced first) is the op's, not the layout
-    fix-up's.
-    """
-    _, _, grad_pl = case.spec
-    zeros = _local_of(torch.zeros(global_shape(case.layout)), mesh, grad_pl)
-    old = DTensor.from_local(zeros.clone(), mesh, grad_pl)
-    new = DTensor.from_local(zeros.clone(), mesh, grad_pl)
-    with CommDebugMode() as comm:
-        try:
-            out = old + new if case.create_graph else old.add_(new)
-        except RuntimeError as exc:
-            return Accumulation(None, comm.get_total_counts(), str(exc))
-    return Accumulation(out.placements, comm.get_total_counts())
