@@ -70,6 +70,25 @@ def all_cases() -> Iterator[Case]:
         yield Case(name, layout, existing, hook, create)
 
 
+def kept_by_gradsafe(case: Case) -> bool:
+    """Whether the gradient's placements survive the layout fix-up under gradsafe.patch("dtensor").
+
+    Shard-containing placements and, for Replicate/Partial ones, every Partial
+    reduce op the installed torch can accumulate into in place (torch 2.11:
+    sum, avg; 2.13+: all four, natively).
+    """
+    from gradsafe.dtensor import probe_propagator
+
+    _, _, grad_pl = case.spec
+    found = probe_propagator()
+    if found.keeps_placements or any(p.is_shard() for p in grad_pl):
+        return True
+    return all(
+        p.is_replicate() or getattr(p, "reduce_op", None) in found.accumulating_reduce_ops
+        for p in grad_pl
+    )
+
+
 def global_shape(layout: str) -> tuple[int, ...]:
     return (4, 4, 2, 2) if layout == "channels_last" else (4, 8)
 

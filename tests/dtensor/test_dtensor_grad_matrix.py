@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 
 import gradsafe
-from dtensor_gradcases import Case, Outcome, all_cases, run
-from gradsafe.dtensor import probe_propagator
+from dtensor_gradcases import Case, Outcome, all_cases, kept_by_gradsafe, run
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph=True")
 
@@ -29,23 +28,6 @@ def _run(case: Case, mesh) -> Outcome | RuntimeError:  # type: ignore[no-untyped
         return run(case, mesh)
     except RuntimeError as exc:
         return exc
-
-
-def _kept_with_gradsafe(case: Case) -> bool:
-    """Whether gradsafe keeps this gradient's placements through the layout fix-up.
-
-    Shard-containing placements and, for Replicate/Partial ones, every Partial
-    reduce op the installed torch can accumulate into in place (torch 2.11:
-    sum, avg; 2.13+: all four, natively).
-    """
-    _, _, grad_pl = case.spec
-    found = probe_propagator()
-    if found.keeps_placements or any(p.is_shard() for p in grad_pl):
-        return True
-    return all(
-        p.is_replicate() or getattr(p, "reduce_op", None) in found.accumulating_reduce_ops
-        for p in grad_pl
-    )
 
 
 def _through_layout_fixup(case: Case) -> bool:
@@ -68,10 +50,10 @@ def test_grad_matrix(fake_meshes, case: Case) -> None:
     # Never a new crash, never an extra collective.
     assert not isinstance(ours, RuntimeError), f"gradsafe raises where torch does not: {ours}"
     assert ours.collectives <= upstream.collectives
-    if not case.existing_grad and _kept_with_gradsafe(case):
+    if not case.existing_grad and kept_by_gradsafe(case):
         assert ours.placements == grad_pl
         assert ours.collectives == 0
-    elif not _kept_with_gradsafe(case):
+    elif not kept_by_gradsafe(case):
         assert (ours.placements, ours.collectives) == (upstream.placements, upstream.collectives)
     # Layout contract: .grad has the parameter's strides, globally and locally.
     assert ours.grad_stride == ours.param_stride
