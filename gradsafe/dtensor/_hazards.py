@@ -150,7 +150,7 @@ def run_seed(mesh: DeviceMesh, shape: tuple[int, int] = (3, 4)) -> SeedResult:
     coeff = seed_coefficients(shape)
     comm = seed_backward(weight, coeff)
     grad = weight.grad
-    if not isinstance(grad, DTensor):
+    if not isinstance(grad, DTensor) or not isinstance(weight, DTensor):
         raise TypeError(f"the seed backward left .grad as {type(grad).__name__}, not a DTensor")
     return SeedResult(
         placements=tuple(grad.placements),

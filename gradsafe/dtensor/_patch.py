@@ -25,6 +25,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -40,12 +41,15 @@ class StaleShardingCacheWarning(RuntimeWarning):
     """gradsafe could not make an autograd thread drop sharding decisions cached before the patch."""
 
 
-def _devices(t_outputs: object, rest: tuple[object, ...]) -> set[torch.device]:
+def _accelerator_devices(t_outputs: object, rest: tuple[object, ...]) -> list[torch.device]:
     # The roots and their gradients decide which autograd threads run the backward.
-    found = set()
+    # Runs at every backward: concrete sequence types, no allocation when all are on the CPU.
+    found: list[torch.device] = []
     for group in (t_outputs, rest[0] if rest else ()):
-        if isinstance(group, Sequence):
-            found.update(t.device for t in group if isinstance(t, torch.Tensor))
+        if isinstance(group, (tuple, list)):
+            for tensor in group:
+                if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
+                    found.append(tensor.device)
     return found
 
 
@@ -73,12 +77,12 @@ class _ThreadCacheGuard:
         _torch.clear_sharding_caches()
         self._local.epoch = self._epoch
 
-    def engine_run_backward(self, t_outputs: object, *args: object, **kwargs: object) -> object:
+    def engine_run_backward(self, t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self._local, "epoch", None) != self._epoch:
             self._local.epoch = self._epoch
             _torch.clear_sharding_caches()
-        for device in _devices(t_outputs, args):
-            if device.type == "cpu" or device in self._devices_done:
+        for device in _accelerator_devices(t_outputs, args):
+            if device in self._devices_done:
                 continue
             with _GUARD_LOCK:
                 if device in self._devices_done:

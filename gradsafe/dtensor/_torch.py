@@ -133,7 +133,7 @@ def probe_propagation(
     args = tuple(_spec(mesh, p, shape) for p in placements) + tuple(extra)
     schema = OpSchema(op, args, {}, schema_info=_schema_info(op))
     sharding = _propagator().propagate_op_sharding_non_cached(schema)
-    spec = sharding.output_spec
+    spec: object = sharding.output_spec
     if not isinstance(spec, DTensorSpec):
         raise TypeError(f"{op} returned {spec!r}; gradsafe probes only single-tensor ops")
     # A redistribution only because shape arguments were localised is no communication.

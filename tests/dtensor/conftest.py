@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
