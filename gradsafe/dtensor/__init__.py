@@ -17,7 +17,13 @@ Example::
 """
 
 from gradsafe.dtensor._patch import StaleShardingCacheWarning
-from gradsafe.dtensor._probe import ProbeResult, probe_propagator
+from gradsafe.dtensor._probe import ProbeFailure, ProbeResult, probe_propagator
 from gradsafe.dtensor._strategy import FollowRule
 
-__all__ = ["FollowRule", "ProbeResult", "StaleShardingCacheWarning", "probe_propagator"]
+__all__ = [
+    "FollowRule",
+    "ProbeFailure",
+    "ProbeResult",
+    "StaleShardingCacheWarning",
+    "probe_propagator",
+]

@@ -126,16 +126,19 @@ _GUARDED_BACKWARD = _GUARD.engine_run_backward  # one object, recognisable as gr
 
 def plan_for(found: ProbeResult) -> Sequence[Target] | Skip:
     """The patch's targets for a propagator that behaves as ``found`` says, or why none."""
-    if found.copy_failures:
-        return Skip(
-            "the installed torch's copy_ strategy redistributes a Partial source into a "
-            f"Partial destination ({'; '.join(found.copy_failures)}); gradsafe's "
-            "new_empty_strided strategy cannot remove that all-reduce on this torch"
-        )
     if found.keeps_placements:
         return Skip(
             "verified: upstream already keeps placements "
             "(probed new_empty(_strided) + copy_, Partial and Shard, 1-D and 2-D meshes)"
+        )
+    if found.copy_failures:
+        # Not only for the reduce ops concerned: such a torch predates 2.11's
+        # Partial arithmetic (2.10: Partial(sum) + 1 adds 1 on every rank), so
+        # a Partial empty tensor would change what later ops compute.
+        return Skip(
+            "the installed torch's copy_ strategy redistributes a Partial source into a "
+            f"Partial destination ({'; '.join(map(str, found.copy_failures))}); gradsafe "
+            "does not change new_empty(_strided) on this torch"
         )
     rule = FollowRule(
         partial_reduce_ops=frozenset(found.accumulating_reduce_ops),

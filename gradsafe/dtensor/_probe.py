@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 
 from gradsafe.dtensor import _torch
 
-__all__ = ["ProbeResult", "probe_propagator"]
+__all__ = ["ProbeFailure", "ProbeResult", "probe_propagator"]
 
 _SHAPE = (4, 6)
 _TRANSPOSED_STRIDE = (1, 4)  # a parameter's strides differing from the gradient's
@@ -35,21 +35,33 @@ _CASES: tuple[tuple[tuple[int, ...], tuple[Placement, ...]], ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeFailure:
+    """One probe case where the propagator did not keep the input's placements."""
+
+    op: str
+    given: tuple[Placement, ...]
+    got: tuple[Placement, ...]
+
+    def __str__(self) -> str:
+        return f"{self.op} {list(self.given)} -> {list(self.got)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class ProbeResult:
     """What the propagator did on the probe cases.
 
     ``empty_failures`` lists the ``new_empty(_strided)`` cases whose output
     did not take the input's placements; ``copy_failures`` the cases where
     ``copy_`` of a Partial source into a Partial destination would
-    redistribute. Each entry reads ``"op [input placements] -> [output]"``.
+    redistribute.
     ``accumulating_reduce_ops`` are the reduce ops ``r`` for which an in-place
     ``add_`` of a ``Partial(r)`` tensor into a ``Partial(r)`` tensor keeps the
     destination's placements (AccumulateGrad's ``grad += new_grad``; any
     other outcome makes DTensor raise for the in-place op).
     """
 
-    empty_failures: tuple[str, ...]
-    copy_failures: tuple[str, ...]
+    empty_failures: tuple[ProbeFailure, ...]
+    copy_failures: tuple[ProbeFailure, ...]
     accumulating_reduce_ops: tuple[str, ...]
 
     @property
@@ -58,15 +70,11 @@ class ProbeResult:
         return not self.empty_failures and not self.copy_failures
 
 
-def _describe(op: object, given: tuple[Placement, ...], got: tuple[Placement, ...]) -> str:
-    return f"{op} {list(given)} -> {list(got)}"
-
-
 def probe_propagator() -> ProbeResult:
     """Run the probe cases through the live propagator (tens of milliseconds, no communication)."""
     aten = torch.ops.aten
-    empty_failures: list[str] = []
-    copy_failures: list[str] = []
+    empty_failures: list[ProbeFailure] = []
+    copy_failures: list[ProbeFailure] = []
     meshes = {shape: _torch.probe_mesh(shape) for shape, _ in _CASES}
     for mesh_shape, placements in _CASES:
         mesh = meshes[mesh_shape]
@@ -76,12 +84,12 @@ def probe_propagator() -> ProbeResult:
                 extra.append(list(_TRANSPOSED_STRIDE))
             got, communicates = _torch.probe_propagation(op, mesh, _SHAPE, [placements], extra)
             if got != placements or communicates:
-                empty_failures.append(_describe(op, placements, got))
+                empty_failures.append(ProbeFailure(str(op), placements, got))
         if any(p.is_partial() for p in placements):
             copy = aten.copy_.default
             got, communicates = _torch.probe_propagation(copy, mesh, _SHAPE, [placements] * 2)
             if got != placements or communicates:
-                copy_failures.append(_describe(copy, placements, got))
+                copy_failures.append(ProbeFailure(str(copy), placements, got))
     accumulating = []
     for reduce_op in _REDUCE_OPS:
         partial = (Partial(reduce_op),)

@@ -70,23 +70,34 @@ def all_cases() -> Iterator[Case]:
         yield Case(name, layout, existing, hook, create)
 
 
-def kept_by_gradsafe(case: Case) -> bool:
-    """Whether the gradient's placements survive the layout fix-up under gradsafe.patch("dtensor").
+def kept_by(placements: tuple[Placement, ...]) -> bool:
+    """Whether ``new_empty(_strided)`` keeps ``placements`` under gradsafe.patch("dtensor").
 
-    Shard-containing placements and, for Replicate/Partial ones, every Partial
-    reduce op the installed torch can accumulate into in place (torch 2.11:
-    sum, avg; 2.13+: all four, natively).
+    Natively where upstream keeps placements (2.13+). Where the patch
+    applies (2.11): Shard-containing placements and, for Replicate/Partial
+    ones, every Partial reduce op the installed torch can accumulate into in
+    place (2.11: sum, avg). Where the patch is skipped for another reason
+    (2.10), gradsafe changes nothing: False.
     """
-    from gradsafe.dtensor import probe_propagator
+    from gradsafe.dtensor import _patch, probe_propagator
+    from gradsafe.patching import Skip
 
-    _, _, grad_pl = case.spec
     found = probe_propagator()
-    if found.keeps_placements or any(p.is_shard() for p in grad_pl):
+    if found.keeps_placements:
+        return True
+    if isinstance(_patch._plan(), Skip):
+        return False
+    if any(p.is_shard() for p in placements):
         return True
     return all(
         p.is_replicate() or getattr(p, "reduce_op", None) in found.accumulating_reduce_ops
-        for p in grad_pl
+        for p in placements
     )
+
+
+def kept_by_gradsafe(case: Case) -> bool:
+    """Whether the case's gradient placements survive the layout fix-up under the patch."""
+    return kept_by(case.spec[2])
 
 
 def global_shape(layout: str) -> tuple[int, ...]:

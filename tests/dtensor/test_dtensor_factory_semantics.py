@@ -18,7 +18,7 @@ import pytest
 
 import gradsafe
 from dtensor_factory_ops import FACTORIES, OPS, PLACEMENTS, behaviour
-from gradsafe.dtensor import probe_propagator
+from dtensor_gradcases import kept_by
 
 # torch 2.13.0+cpu, rank 0 of a fake process group of 4 (placement, op) ->
 # (empty tensor's placements, result's placements, collectives, result's local values)
@@ -86,13 +86,6 @@ TORCH_2_13 = {
 }
 
 
-def _kept(placement: str) -> bool:
-    """Whether gradsafe (or upstream, where it keeps placements) gives 2.13's semantics here."""
-    found = probe_propagator()
-    reduce_op = getattr(PLACEMENTS[placement], "reduce_op", None)
-    return found.keeps_placements or reduce_op is None or reduce_op in found.accumulating_reduce_ops
-
-
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("factory", list(FACTORIES))
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -100,7 +93,7 @@ def test_patched_factories_behave_as_recorded(fake_meshes, placement: str, facto
     mesh = fake_meshes[1]
     with gradsafe.patch("dtensor"):
         got = behaviour(mesh, placement, factory, op)
-    if _kept(placement):
+    if kept_by((PLACEMENTS[placement],)):
         assert got == TORCH_2_13[(placement, op)]
     else:
         assert got == behaviour(mesh, placement, factory, op)

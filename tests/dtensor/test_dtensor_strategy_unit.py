@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,7 +14,7 @@ from torch.distributed.tensor.placement_types import _MaskPartial
 
 import gradsafe
 from conftest import applied
-from gradsafe.dtensor import FollowRule, _patch, _torch, probe_propagator
+from gradsafe.dtensor import FollowRule, ProbeFailure, ProbeResult, _patch, _torch, probe_propagator
 from gradsafe.dtensor._hazards import CollectiveCounter
 from gradsafe.patching import MISSING, Skip
 
@@ -34,6 +36,14 @@ def _chosen(rule: FollowRule, op, spec: DTensorSpec, shape) -> tuple[object, ...
     strategy = _torch.EmptyFactoryStrategy(rule)(OpSchema(op, args, {}))
     assert len(strategy.strategies) == 1
     return strategy.strategies[0].output_spec.placements
+
+
+def _needing_the_patch(accumulating: tuple[str, ...]) -> ProbeResult:
+    """The live probe's result, as if upstream did not keep Partial(sum) through new_empty."""
+    failure = ProbeFailure("aten.new_empty.default", (Partial("sum"),), (Replicate(),))
+    return dataclasses.replace(
+        probe_propagator(), empty_failures=(failure,), accumulating_reduce_ops=accumulating
+    )
 
 
 EVERYTHING = FollowRule(ALL_REDUCE_OPS, uneven_strided=True)
@@ -109,9 +119,7 @@ def test_strategy_outside_propagation_names_the_cause() -> None:
 
 def test_plan_follows_the_probed_accumulation() -> None:
     """The installed rule keeps exactly the reduce ops the installed torch accumulates into."""
-    found = probe_propagator()
-    if found.keeps_placements:
-        found = type(found)(("forced",), (), found.accumulating_reduce_ops)
+    found = _needing_the_patch(probe_propagator().accumulating_reduce_ops)
     plan = _patch.plan_for(found)
     assert not isinstance(plan, Skip)
     strategies = {t.replacement for t in plan if isinstance(t.replacement, _torch.EmptyFactoryStrategy)}
@@ -156,8 +164,7 @@ def test_after_change_clears_python_and_native_caches(fake_meshes) -> None:
 def test_fresh_partial_destination_copy_does_not_communicate(fake_meshes, prefix_strategy, op, reduce_op) -> None:  # type: ignore[no-untyped-def]
     """With every reduce op kept, copy_ of a Partial source into the fresh tensor is local."""
     grad = DTensor.from_local(torch.randn(8, 4).t(), fake_meshes[1], [Partial(reduce_op)])
-    found = probe_propagator()
-    plan = _patch.plan_for(type(found)(("forced",), (), tuple(ALL_REDUCE_OPS)))
+    plan = _patch.plan_for(_needing_the_patch(tuple(ALL_REDUCE_OPS)))
     with applied(plan), CollectiveCounter() as comm:
         fresh = grad.new_empty_strided((4, 8), (8, 1)) if op is NEW_EMPTY_STRIDED else grad.new_empty((4, 8))
         fresh.copy_(grad)
