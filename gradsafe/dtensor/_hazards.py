@@ -101,7 +101,7 @@ def seed_parameter(mesh: DeviceMesh, shape: tuple[int, int] = (3, 4)) -> torch.n
 def seed_coefficients(shape: tuple[int, int] = (3, 4)) -> torch.Tensor:
     """Coefficients for :func:`seed_backward`; each rank's local gradient is their transpose."""
     rows, cols = shape
-    return torch.arange(float(rows * cols)).reshape(cols, rows)
+    return torch.arange(float(rows * cols), device="cpu").reshape(cols, rows)
 
 
 def seed_backward(weight: torch.nn.Parameter, coeff: torch.Tensor) -> CollectiveCounter:
