@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.doctor import Outcome, patched_check
+from gradsafe.dtensor._torch import TorchDispatchMode
 
 __all__ = [
     "CHECKS",
@@ -42,11 +42,10 @@ __all__ = [
 def fake_world(world_size: int) -> Iterator[None]:
     """torch's in-process fake process group (rank 0 of ``world_size``); nothing communicates."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from gradsafe.dtensor._torch import clear_sharding_caches
+    from gradsafe.dtensor._torch import clear_sharding_caches, fake_store
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -201,8 +200,6 @@ def _seed_probe() -> Outcome:
 def _repro() -> Outcome:
     import torch.distributed as dist
 
-    if not dist.is_available():
-        return Outcome(None, "torch.distributed is not built into this torch")
     if dist.is_initialized():
         return _seed_probe()
     with fake_world(2):

@@ -89,8 +89,7 @@ class _ThreadCacheGuard:
                     continue
                 self._devices_done.add(device)
             self._clear_device_thread(device)
-        # The definition; torch.autograd's name (the one patched) is an alias of it.
-        return torch.autograd.graph._engine_run_backward(t_outputs, *args, **kwargs)
+        return _torch.engine_run_backward(t_outputs, *args, **kwargs)
 
     @staticmethod
     def _clear_device_thread(device: torch.device) -> None:
@@ -168,11 +167,7 @@ def plan_for(found: ProbeResult) -> Sequence[Target] | Skip:
                 )
             )
     targets.append(
-        AttrTarget(
-            "torch.autograd",
-            "_engine_run_backward",
-            _GUARDED_BACKWARD,
-        )
+        AttrTarget(*_torch.BACKWARD_ENTRY, _GUARDED_BACKWARD)
     )
     return tuple(targets)
 

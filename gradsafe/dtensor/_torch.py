@@ -6,7 +6,9 @@ DTensor's sharding propagator keeps two strategy tables: ``op_strategy_funcs``
 memoised per thread, in a Python LRU cache and, on torch with the C++
 dispatch fast path, in a native cache. Everything version-dependent about
 those pieces is answered here by looking at what exists, never at
-``torch.__version__``. The other modules of the package use only public
+``torch.__version__``. So are the other private pieces gradsafe.dtensor
+uses: autograd's engine entry, the fake process group's store and the
+dispatch-mode base class. The other modules of the package use only public
 torch names and what this module exports.
 """
 
@@ -16,7 +18,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import Final, Hashable
+from typing import TYPE_CHECKING, Any, Final, Hashable
 
 import torch
 from torch._ops import OpOverload
@@ -31,13 +33,21 @@ from torch.distributed.tensor._ops.utils import (
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor._utils import compute_local_stride
 from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
+    "BACKWARD_ENTRY",
     "EMPTY_FACTORIES",
     "LOCAL_STRIDES_FOLLOW_LOCAL_SHAPE",
     "EmptyFactoryStrategy",
     "FactoryRequest",
+    "TorchDispatchMode",
     "clear_sharding_caches",
+    "engine_run_backward",
+    "fake_store",
     "op_strategy_table",
     "probe_mesh",
     "probe_propagation",
@@ -61,6 +71,23 @@ EMPTY_FACTORIES: Final[tuple[OpOverload, ...]] = (
 LOCAL_STRIDES_FOLLOW_LOCAL_SHAPE: Final[bool] = (
     "local_shape" in inspect.signature(compute_local_stride).parameters
 )
+
+
+#: (module, attribute) through which ``backward()`` and ``torch.autograd.grad``
+#: start the autograd engine; an alias of :func:`engine_run_backward`.
+BACKWARD_ENTRY: Final = ("torch.autograd", "_engine_run_backward")
+
+
+def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+    """Start the autograd engine, as ``backward()`` does after checking its arguments."""
+    return torch.autograd.graph._engine_run_backward(*args, **kwargs)
+
+
+def fake_store() -> FakeStore:
+    """The store of torch's in-process fake process group (nothing communicates)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def _propagator() -> ShardingPropagator:
