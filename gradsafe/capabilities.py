@@ -77,8 +77,9 @@ PIPELINING: Final = Patch(
 )
 DTENSOR: Final = Patch(
     "dtensor",
-    "DTensor new_empty/new_empty_strided keep the input's placements, so autograd's "
-    "layout fix-up never all-reduces a Partial gradient (H2)",
+    "DTensor new_empty/new_empty_strided keep the input's placements as on torch 2.13 "
+    "(Partial where the installed torch can accumulate into it), so autograd's layout "
+    "fix-up does not all-reduce a Partial gradient (H2)",
     _dtensor_plan,
     _dtensor_after_change,
 )

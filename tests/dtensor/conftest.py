@@ -2,13 +2,17 @@
 
 The pre-fix strategy is written from the hazard's description (new_empty /
 new_empty_strided give Replicate unless the input is sharded and the shape is
-unchanged), so the hazard can be reproduced on any torch.
+unchanged), so the hazard can be reproduced on any torch. ``applied`` installs
+gradsafe's targets for a given probe result by hand: ``gradsafe.patch`` plans
+once per process from the real propagator, so under the fixture it would
+(rightly) still skip on torch that keeps placements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch.distributed as dist
@@ -18,23 +22,46 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from gradsafe.dtensor import _torch
-from gradsafe.patching import MISSING
+from gradsafe.dtensor import _patch, _torch
+from gradsafe.dtensor._hazards import fake_world
+from gradsafe.patching import MISSING, Skip, Target
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plan_before_any_fixture() -> None:
+    """gradsafe plans once per process; make that happen on the unmodified propagator.
+
+    Also runs the first sharding propagation on the main thread: on torch
+    2.11 CUDA builds without a GPU, a first propagation on another thread
+    makes the main thread's next DTensor op segfault (torch's bug).
+    """
+    _patch.plan()
 
 
 @pytest.fixture(scope="module")
 def fake_meshes() -> Iterator[dict[int, DeviceMesh]]:
     """A 4-rank fake process group (rank 0) with a 1-D (4,) and a 2-D (2, 2) mesh."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this pytest process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_world(4):
         yield {1: init_device_mesh("cpu", (4,)), 2: init_device_mesh("cpu", (2, 2))}
+
+
+@contextlib.contextmanager
+def applied(plan: Sequence[Target] | Skip) -> Iterator[None]:
+    """Install ``plan``'s targets (as gradsafe.patch would) and restore them on exit."""
+    if isinstance(plan, Skip):
+        raise AssertionError(f"expected targets, got a skip: {plan.reason}")
+    saved = [(target, target.read()) for target in plan]
+    for target in plan:
+        target.write(target.replacement)
+    _patch.after_change()
+    try:
+        yield
     finally:
-        dist.destroy_process_group()
-        _torch.clear_sharding_caches()
+        for target, original in reversed(saved):
+            target.write(original)
+        _patch.after_change()
 
 
 def prefix_op_strategy(op_schema: OpSchema) -> OpStrategy:

@@ -21,22 +21,29 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import gradsafe
-from dtensor_gradcases import LAYOUTS, PLACEMENTS, Case, expected_global_grad, run
+from dtensor_gradcases import LAYOUTS, PLACEMENTS, Case, expected_global_grad, kept_by_gradsafe, run
+from gradsafe.dtensor._hazards import CollectiveCounter
 
 _TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def value_cases(world_size: int) -> list[Case]:
     """The subset checked on real ranks: every placement and layout through the fix-up,
-    plus hook + create_graph, plus accumulation into an existing ``.grad``."""
+    plus hook + create_graph, plus accumulation into an existing ``.grad``.
+
+    Accumulating a Partial(max)/Partial(min) gradient that AccumulateGrad
+    stole (contiguous, no hook) raises on torch 2.11 with or without
+    gradsafe; every other accumulation must work.
+    """
     cases = []
     for name, ndim, _, grad_pl in PLACEMENTS:
         if ndim == 2 and world_size != 4:
             continue
+        max_or_min = any(getattr(p, "reduce_op", None) in ("max", "min") for p in grad_pl)
         for layout in LAYOUTS:
             cases.append(Case(name, layout, False, False, False))
             cases.append(Case(name, layout, False, True, True))
-            if not any(getattr(p, "reduce_op", None) == "max" for p in grad_pl):
+            if not (max_or_min and layout == "contiguous"):
                 cases.append(Case(name, layout, True, False, False))
     return cases
 
@@ -49,11 +56,16 @@ def _values(rank: int, world_size: int) -> list[dict[str, object]]:
     with gradsafe.patch("dtensor"):
         for case in value_cases(world_size):
             mesh = meshes[case.spec[0]]
-            outcome = run(case, mesh)
+            try:
+                outcome = run(case, mesh)
+            except RuntimeError as exc:
+                results.append({"id": case.id, "ok": False, "detail": f"raises: {exc}"[:300]})
+                continue
             got = outcome.grad.full_tensor()
             want = expected_global_grad(case, mesh)
-            # Collectives of accumulation into an existing .grad are checked in the fake-pg matrix.
-            quiet = case.existing_grad or outcome.collectives == 0
+            # Collectives of accumulation into an existing .grad, and of gradients
+            # gradsafe leaves to torch, are checked in the fake-pg matrix.
+            quiet = case.existing_grad or not kept_by_gradsafe(case) or outcome.collectives == 0
             ok = torch.allclose(got, want, rtol=1e-6, atol=1e-5) and quiet
             detail = (
                 f"{list(outcome.placements)}, {outcome.collectives} collectives, "
@@ -82,7 +94,6 @@ def _model() -> torch.nn.Sequential:
 
 def _fsdp_step(rank: int, world_size: int, x: torch.Tensor) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = _model()
@@ -90,9 +101,9 @@ def _fsdp_step(rank: int, world_size: int, x: torch.Tensor) -> tuple[dict[str, i
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     loss = model(x.chunk(world_size)[rank]).square().sum()
-    with CommDebugMode() as comm:
+    with CollectiveCounter() as comm:
         loss.backward()
-    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    counts = dict(comm.counts)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     return counts, grads
 

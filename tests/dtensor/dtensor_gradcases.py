@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
+
+from gradsafe.dtensor._hazards import CollectiveCounter
 
 LAYOUTS = ("contiguous", "transposed", "expanded", "channels_last")
 
@@ -26,6 +27,7 @@ PLACEMENTS: tuple[tuple[str, int, tuple[Placement, ...], tuple[Placement, ...]],
     ("R>P(sum)", 1, (Replicate(),), (Partial("sum"),)),
     ("R>P(avg)", 1, (Replicate(),), (Partial("avg"),)),
     ("R>P(max)", 1, (Replicate(),), (Partial("max"),)),
+    ("R>P(min)", 1, (Replicate(),), (Partial("min"),)),
     ("S0", 1, (Shard(0),), (Shard(0),)),
     ("S1", 1, (Shard(1),), (Shard(1),)),
     ("RR>PP(sum)", 2, (Replicate(), Replicate()), (Partial("sum"), Partial("sum"))),
@@ -66,6 +68,36 @@ def all_cases() -> Iterator[Case]:
         PLACEMENTS, LAYOUTS, (False, True), (False, True), (False, True)
     ):
         yield Case(name, layout, existing, hook, create)
+
+
+def kept_by(placements: tuple[Placement, ...]) -> bool:
+    """Whether ``new_empty(_strided)`` keeps ``placements`` under gradsafe.patch("dtensor").
+
+    Natively where upstream keeps placements (2.13+). Where the patch
+    applies (2.11): Shard-containing placements and, for Replicate/Partial
+    ones, every Partial reduce op the installed torch can accumulate into in
+    place (2.11: sum, avg). Where the patch is skipped for another reason
+    (2.10), gradsafe changes nothing: False.
+    """
+    from gradsafe.dtensor import _patch, probe_propagator
+    from gradsafe.patching import Skip
+
+    found = probe_propagator()
+    if found.keeps_placements:
+        return True
+    if isinstance(_patch.plan(), Skip):
+        return False
+    if any(p.is_shard() for p in placements):
+        return True
+    return all(
+        p.is_replicate() or getattr(p, "reduce_op", None) in found.accumulating_reduce_ops
+        for p in placements
+    )
+
+
+def kept_by_gradsafe(case: Case) -> bool:
+    """Whether the case's gradient placements survive the layout fix-up under the patch."""
+    return kept_by(case.spec[2])
 
 
 def global_shape(layout: str) -> tuple[int, ...]:
@@ -115,7 +147,7 @@ def run(case: Case, mesh: DeviceMesh) -> Outcome:
         weight.register_hook(lambda g: held.append(g))
     rank = dist.get_rank()
     steps = 2 if case.existing_grad else 1
-    comm = CommDebugMode()
+    comm = CollectiveCounter()
     for step in range(steps):
         local = weight.to_local(grad_placements=grad_pl)
         coeff = local_coeff(case, local.shape, rank, step)
@@ -130,7 +162,7 @@ def run(case: Case, mesh: DeviceMesh) -> Outcome:
     local_grad = grad.to_local()
     return Outcome(
         placements=grad.placements,
-        collectives=comm.get_total_counts(),
+        collectives=comm.total,
         param_stride=weight.stride(),
         grad_stride=grad.stride(),
         param_local_stride=weight.to_local().stride(),
@@ -192,32 +224,3 @@ def expected_global_grad(case: Case, mesh: DeviceMesh) -> torch.Tensor:
             }
         total += pieces[()]
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class Accumulation:
-    """What adding a second gradient into an existing ``.grad`` costs by itself."""
-
-    placements: tuple[Placement, ...] | None  # None: the add itself raises
-    collectives: int
-    error: str = ""
-
-
-def accumulation_reference(case: Case, mesh: DeviceMesh) -> Accumulation:
-    """Run AccumulateGrad's own accumulation op on fresh DTensors with the gradient placements.
-
-    Without ``create_graph`` AccumulateGrad adds in place (``grad += new``),
-    with it out of place (``grad + new``). Whatever that op needs (e.g. a
-    Partial(max) sum must be reduced first) is the op's, not the layout
-    fix-up's.
-    """
-    _, _, grad_pl = case.spec
-    zeros = _local_of(torch.zeros(global_shape(case.layout)), mesh, grad_pl)
-    old = DTensor.from_local(zeros.clone(), mesh, grad_pl)
-    new = DTensor.from_local(zeros.clone(), mesh, grad_pl)
-    with CommDebugMode() as comm:
-        try:
-            out = old + new if case.create_graph else old.add_(new)
-        except RuntimeError as exc:
-            return Accumulation(None, comm.get_total_counts(), str(exc))
-    return Accumulation(out.placements, comm.get_total_counts())

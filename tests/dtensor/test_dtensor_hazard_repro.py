@@ -1,38 +1,32 @@
-"""The seed report's hazard: a Partial gradient through AccumulateGrad's layout fix-up.
+"""The seed report's hazard (run from gradsafe.dtensor._hazards), without and with gradsafe.
 
 With the pre-fix strategy installed (any torch) or natively (torch 2.11), a
 Replicate parameter whose local view is used transposed with
 ``grad_placements=[Partial()]`` gets a Replicate ``.grad`` and one all-reduce
-per backward. ``gradsafe.patch("dtensor")`` keeps it Partial with no
-collective, and leaving the block puts back exactly what was there.
+per backward. gradsafe's strategy keeps it Partial with no collective, and
+leaving the patch puts back exactly what was there.
 """
 
 from __future__ import annotations
 
-import pytest
+import threading
+
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.torch_version import TorchVersion
+from torch.distributed.tensor import Partial, Replicate
 
 import gradsafe
-from gradsafe.dtensor import _torch, probe_propagator
-from gradsafe.patching import MISSING, PatchRegistry
+from conftest import applied
+from gradsafe.dtensor import _patch, _torch, probe_propagator
+from gradsafe.dtensor._hazards import SeedResult, run_seed
+from gradsafe.patching import MISSING, Skip
 
 
-def _seed_backward(mesh: DeviceMesh) -> tuple[tuple[object, ...], dict[str, int]]:
-    weight = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 6), mesh, [Replicate()]))
-    local = weight.to_local(grad_placements=[Partial()])
-    with CommDebugMode() as comm:
-        (local.t().contiguous() * 3.0).sum().backward()
-    assert isinstance(weight.grad, DTensor)
-    assert weight.grad.stride() == weight.stride()
-    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-    return weight.grad.placements, counts
+def _seen(result: SeedResult) -> tuple[tuple[object, ...], dict[str, int]]:
+    assert result.values_right and result.strides_right, result
+    return result.placements, result.collectives
 
 
-BUG = ((Replicate(),), {"c10d_functional.all_reduce": 1})
+BUG = ((Replicate(),), {"_c10d_functional.all_reduce": 1})
 FIXED = ((Partial(),), {})
 
 
@@ -49,14 +43,10 @@ def test_prefix_strategy_reproduces_and_gradsafe_fixes(fake_meshes, prefix_strat
     before = _tables()
     # The first run also fills the sharding caches with the pre-fix decision:
     # the fix showing up on the very next backward proves they were cleared.
-    assert _seed_backward(mesh) == BUG
-    # A fresh registry: the process's one cached its decision for the real tables.
-    registry = PatchRegistry([gradsafe.capabilities.DTENSOR])
-    with registry.patch("dtensor") as handle:
-        assert handle.names == ("dtensor",)
-        assert registry.status()["dtensor"].active
-        assert _seed_backward(mesh) == FIXED
-    assert _seed_backward(mesh) == BUG
+    assert _seen(run_seed(mesh)) == BUG
+    with applied(_patch.plan_for(probe_propagator())):
+        assert _seen(run_seed(mesh)) == FIXED
+    assert _seen(run_seed(mesh)) == BUG
     after = _tables()
     for table_before, table_after in zip(before, after):
         assert table_before.keys() == table_after.keys()
@@ -66,33 +56,91 @@ def test_prefix_strategy_reproduces_and_gradsafe_fixes(fake_meshes, prefix_strat
         assert after[0][op] is installed
 
 
-def test_patch_plan_shadows_a_single_dim_entry(prefix_strategy) -> None:
-    plan = gradsafe.capabilities.DTENSOR.plan()
-    assert not isinstance(plan, gradsafe.patching.Skip)
+def test_plan_keeps_the_single_dim_entries_empty(prefix_strategy) -> None:
+    plan = _patch.plan_for(probe_propagator())
+    assert not isinstance(plan, Skip)
     wheres = [target.where for target in plan]
-    single = _torch.single_dim_strategy_table() or {}
+    has_single = _torch.single_dim_strategy_table() is not None
     for op in _torch.EMPTY_FACTORIES:
         assert any(f"op_strategy_funcs[{op}]" in w for w in wheres)
-        shadowed = any(f"op_single_dim_strategy_funcs[{op}]" in w for w in wheres)
-        assert shadowed == (op in single)
+        assert any(f"op_single_dim_strategy_funcs[{op}]" in w for w in wheres) == has_single
 
 
-NATIVE_HAZARD = TorchVersion(torch.__version__) < (2, 13)
+def _native_hazard() -> bool:
+    return not probe_propagator().keeps_placements
 
 
 def test_native_behaviour_matches_the_probe_and_gradsafe_is_right(fake_meshes) -> None:
     """torch 2.11: the hazard is native. 2.13+: upstream is right and the patch says so."""
     mesh = fake_meshes[1]
-    upstream = _seed_backward(mesh)
-    assert upstream == (BUG if NATIVE_HAZARD else FIXED)
-    assert probe_propagator().keeps_placements == (not NATIVE_HAZARD)
+    upstream = _seen(run_seed(mesh))
+    assert upstream == (BUG if _native_hazard() else FIXED)
     with gradsafe.patch("dtensor") as handle:
-        assert _seed_backward(mesh) == FIXED
-        if NATIVE_HAZARD:
+        assert _seen(run_seed(mesh)) == FIXED
+        if _native_hazard():
             assert handle.names == ("dtensor",)
         else:
             assert handle.names == ()
             skipped = gradsafe.status()["dtensor"].skipped
             assert skipped is not None
             assert skipped.startswith("verified: upstream already keeps placements")
-    assert _seed_backward(mesh) == upstream
+    assert _seen(run_seed(mesh)) == upstream
+
+
+def _thread_before_and_after(mesh, make_patch) -> tuple[SeedResult, list[SeedResult]]:  # type: ignore[no-untyped-def]
+    """A thread runs the seed backward, then ``make_patch()`` is entered on this thread,
+    then the other thread runs it twice more."""
+    before_patch: list[SeedResult] = []
+    after_patch: list[SeedResult] = []
+    ready, patched = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        before_patch.append(run_seed(mesh))
+        ready.set()
+        patched.wait(timeout=60)
+        after_patch.append(run_seed(mesh))
+        after_patch.append(run_seed(mesh))
+
+    thread = threading.Thread(target=worker, name="backward-thread")
+    thread.start()
+    try:
+        ready.wait(timeout=60)
+        with make_patch():
+            patched.set()
+            thread.join(timeout=60)
+    finally:
+        patched.set()
+        thread.join(timeout=60)
+    return before_patch[0], after_patch
+
+
+def test_patch_after_another_threads_backward_reaches_that_thread(fake_meshes, prefix_strategy) -> None:
+    """The other thread keeps its cached pre-fix decision torch-side (per-thread caches);
+    its first backward after the patch must still be right, not a silent all-reduce."""
+    before, after = _thread_before_and_after(
+        fake_meshes[1], lambda: applied(_patch.plan_for(probe_propagator()))
+    )
+    assert _seen(before) == BUG
+    assert [_seen(r) for r in after] == [FIXED, FIXED]
+
+
+def test_native_patch_after_another_threads_backward(fake_meshes) -> None:
+    before, after = _thread_before_and_after(fake_meshes[1], lambda: gradsafe.patch("dtensor"))
+    assert _seen(before) == (BUG if _native_hazard() else FIXED)
+    assert [_seen(r) for r in after] == [FIXED, FIXED]
+
+
+def test_backward_guard_reaches_a_device_queue_without_warning(prefix_strategy) -> None:
+    """The once-per-device clear runs a hook on the thread autograd uses for that device.
+
+    No accelerator here: a meta tensor goes through the same code (its
+    backward runs on the CPU queue), which checks the hook is reached.
+    """
+    import warnings
+
+    plan = _patch.plan_for(probe_propagator())
+    with applied(plan), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        leaf = torch.zeros(3, device="meta", requires_grad=True)
+        (leaf * 2).sum().backward()
+        assert leaf.grad is not None and leaf.grad.device.type == "meta"
