@@ -50,7 +50,7 @@ class UnsupportedTorchError(RuntimeError):
 def _unsupported(what: str) -> UnsupportedTorchError:
     return UnsupportedTorchError(
         f"gradsafe.cuda_graphs cannot make torch {torch.__version__}'s make_graphed_callables "
-        f"safe: {what}. gradsafe recognises the structures of torch 2.10-2.15. Refusing to return "
+        f"safe: {what}. gradsafe recognises the structures of torch 2.11-2.15. Refusing to return "
         "callables whose backward may hand CUDA-graph static buffers to autograd; pin a supported "
         "torch, report this at gradsafe's issue tracker, or pass ownership='never' to accept "
         "upstream's aliasing knowingly."
