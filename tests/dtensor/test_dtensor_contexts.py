@@ -29,15 +29,15 @@ _SCRIPT = """
 import contextlib, json, sys
 import torch
 import gradsafe
-from gradsafe.dtensor._patch import _plan
+from gradsafe.dtensor._patch import plan
 from gradsafe.patching import Skip
 with {context}:
     handle = gradsafe.patch("dtensor")
-    plan = _plan()  # what patch() just planned (once per process)
+    planned = plan()  # what patch() just planned (once per process)
     print(json.dumps({{
         "names": list(handle.names),
-        "skipped": plan.reason if isinstance(plan, Skip) else None,
-        "targets": [] if isinstance(plan, Skip) else [t.where for t in plan],
+        "skipped": planned.reason if isinstance(planned, Skip) else None,
+        "targets": [] if isinstance(planned, Skip) else [t.where for t in planned],
     }}))
 gradsafe.unpatch("dtensor")
 """
