@@ -131,3 +131,28 @@ def test_release_refuses_unknown_names(mod: types.ModuleType) -> None:
         handle.release("aa")
     handle.release()
     assert mod.a is _torch_a
+
+
+def test_a_probe_failing_on_a_changed_internal_is_a_cached_skip(mod: types.ModuleType) -> None:
+    # README: "a patch whose target or call site differs is skipped with the
+    # reason". A probe meeting a changed torch internal can fail with any
+    # exception (KeyError from a strategy table, TypeError from a changed
+    # signature), not only ImportError/AttributeError; then patch() raised,
+    # applied none of the other patches, and re-ran the failing probe on
+    # every later patch().
+    probes = []
+
+    def changed_internal() -> list[AttrTarget]:
+        probes.append(1)
+        raise KeyError("aten.new_empty_strided.default")
+
+    registry = PatchRegistry([_patch_a(), Patch("changed", "", changed_internal)])
+    with registry.patch() as handle:
+        assert handle.names == ("a",)
+        assert mod.a is _ours_a
+    state = registry.status()["changed"]
+    assert state.state == "skipped"
+    assert state.skipped is not None and "new_empty_strided" in state.skipped
+    with registry.patch():
+        pass
+    assert len(probes) == 1
