@@ -161,3 +161,30 @@ def test_a_probe_failing_on_a_changed_internal_is_a_cached_skip(mod: types.Modul
     with registry.patch():
         pass
     assert len(probes) == 1
+
+
+def _decision(plan: object) -> tuple[str, ...]:
+    from gradsafe.patching import Skip
+
+    if isinstance(plan, Skip):
+        return ("skip", plan.reason)
+    return ("replace", *(t.where for t in plan))  # type: ignore[attr-defined]
+
+
+def test_plans_ignore_the_callers_dispatch_modes() -> None:
+    # docs/architecture.md: a plan is computed "always under plain tensor
+    # semantics ... so patch() under torch.no_grad(), torch.inference_mode()
+    # or torch.device("meta") decides exactly as at start-up". A dispatch mode
+    # the caller has active (FakeTensorMode while tracing, a FLOP or memory
+    # counter) ran inside the probes: under FakeTensorMode the DTensor probe
+    # raised DataDependentOutputException, so gradsafe.patch() failed.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gradsafe.capabilities import CUDA_GRAPHS, DTENSOR, PIPELINING
+
+    at_start_up = PatchRegistry([PIPELINING, DTENSOR, CUDA_GRAPHS])
+    expected = {name: _decision(at_start_up.plan(name)) for name in at_start_up.names()}
+    traced = PatchRegistry([PIPELINING, DTENSOR, CUDA_GRAPHS])
+    with FakeTensorMode():
+        got = {name: _decision(traced.plan(name)) for name in traced.names()}
+    assert got == expected
