@@ -205,11 +205,18 @@ class Status:
 
 @contextmanager
 def _plain_torch_context() -> Iterator[None]:
-    """Probe as in a fresh process: grad mode on, no inference mode, CPU default device."""
-    import torch  # not at module import: `import gradsafe` leaves importing torch to its caller
+    """Probe as in a fresh process: grad mode on, no inference mode, CPU default device.
 
-    with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
-        yield
+    The caller's dispatch modes (FakeTensorMode while tracing, FLOP or memory
+    counters) are set aside too: they must neither change the decision nor
+    see the probes.
+    """
+    import torch  # not at module import: `import gradsafe` leaves importing torch to its caller
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        with torch.device("cpu"):
+            yield
 
 
 def _slot(target: Target) -> tuple[str, Hashable]:
