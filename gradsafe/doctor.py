@@ -176,8 +176,12 @@ def _run_one(run: Callable[[], Outcome]) -> Outcome:
     try:
         return run()
     except Exception as exc:  # a crash is a finding, not a doctor failure
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Outcome(False, f"crash: {type(exc).__name__}: {first_line}")
+        return Outcome(False, _crash(exc))
+
+
+def _crash(exc: Exception) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"crash: {type(exc).__name__}: {first_line}"
 
 
 def capability_names() -> tuple[str, ...]:
@@ -188,7 +192,11 @@ def capability_names() -> tuple[str, ...]:
 def _plans() -> tuple[PatchPlan, ...]:
     plans = []
     for name in REGISTRY.names():
-        plan = REGISTRY.plan(name)
+        try:
+            plan = REGISTRY.plan(name)
+        except Exception as exc:  # reported like a crashing row, never raised
+            plans.append(PatchPlan(name, (), f"gradsafe.patch() raises here: {_crash(exc)}"))
+            continue
         if isinstance(plan, Skip):
             plans.append(PatchPlan(name, (), plan.reason))
         else:

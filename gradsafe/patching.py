@@ -205,11 +205,18 @@ class Status:
 
 @contextmanager
 def _plain_torch_context() -> Iterator[None]:
-    """Probe as in a fresh process: grad mode on, no inference mode, CPU default device."""
-    import torch  # not at module import: `import gradsafe` leaves importing torch to its caller
+    """Probe as in a fresh process: grad mode on, no inference mode, CPU default device.
 
-    with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
-        yield
+    The caller's dispatch modes (FakeTensorMode while tracing, FLOP or memory
+    counters) are set aside too: they must neither change the decision nor
+    see the probes.
+    """
+    import torch  # not at module import: `import gradsafe` leaves importing torch to its caller
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        with torch.device("cpu"):
+            yield
 
 
 def _slot(target: Target) -> tuple[str, Hashable]:
@@ -262,22 +269,26 @@ class PatchHandle:
         """Give back the references ``patch()`` took for ``names`` (default: all); idempotent.
 
         References owned by a ``with`` block are released by leaving the block.
+
+        Raises:
+            ValueError: a name is not one of the registry's patch names.
         """
         with self._registry._lock:
-            chosen = set(names or self._bare)
-            for name in self._bare:
-                if name in chosen:
-                    self._registry._release(name)
+            chosen = set(self._registry._validate(names) if names else self._bare)
+            releasing = tuple(n for n in self._bare if n in chosen)
             self._bare = tuple(n for n in self._bare if n not in chosen)
             self._registry._forget_if_done(self)
+            self._registry._release_all(releasing)
 
     def __enter__(self) -> Self:
         with self._registry._lock:
-            if self._bare:
-                block, self._bare = self._bare, ()
-                self._registry._forget_if_done(self)
-            else:
-                block = self._registry._acquire_all(self._requested)
+            # The block owns the bare references and fresh ones for every
+            # requested name they lack (all of them once released, or those
+            # released one by one), so every block runs fully patched.
+            missing = tuple(n for n in self._requested if n not in self._bare)
+            block = self._bare + self._registry._acquire_all(missing)
+            self._bare = ()
+            self._registry._forget_if_done(self)
             self._blocks.append(block)
         return self
 
@@ -288,8 +299,7 @@ class PatchHandle:
         tb: TracebackType | None,
     ) -> None:
         with self._registry._lock:
-            for name in self._blocks.pop():
-                self._registry._release(name)
+            self._registry._release_all(self._blocks.pop())
 
     def __repr__(self) -> str:
         return f"PatchHandle(names={self.names!r})"
@@ -444,10 +454,20 @@ class PatchRegistry:
                 if self._acquire(name):
                     held.append(name)
         except BaseException:
-            for name in reversed(held):
-                self._release(name)
+            self._release_all(tuple(reversed(held)))
             raise
         return tuple(held)
+
+    def _release_all(self, names: Sequence[str]) -> None:
+        """Release every name even if one restore fails (then re-raise the first failure)."""
+        failure: BaseException | None = None
+        for name in names:
+            try:
+                self._release(name)
+            except BaseException as exc:  # the others must not stay installed with no holder
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _plan(self, entry: _Entry) -> Plan:
         if entry.plan is None:
@@ -500,18 +520,32 @@ class PatchRegistry:
         done: list[_Applied] = []
         try:
             for target in plan:
+                self._refuse_shared_slot(entry, target)
                 current = target.read()
                 known = self._originals.get(_slot(target))
                 original = known[1] if known is not None and current is known[0] else current
                 target.write(target.replacement)
                 done.append(_Applied(target, original))
                 self._originals[_slot(target)] = (target.replacement, original)
+            entry.applied = done
+            entry.patch.after_change()
         except BaseException:
+            # All slots or none, also when after_change fails.
+            entry.applied = []
             for record in reversed(done):
                 record.target.write(record.original)
             raise
-        entry.applied = done
-        entry.patch.after_change()
+
+    def _refuse_shared_slot(self, entry: _Entry, target: Target) -> None:
+        # Each undo record assumes it is the only patch in its slot: a second
+        # one would restore torch's object under the first.
+        for other in self._entries.values():
+            if other is not entry and any(_slot(r.target) == _slot(target) for r in other.applied):
+                raise RuntimeError(
+                    f"gradsafe patches {other.patch.name!r} and {entry.patch.name!r} both replace "
+                    f"{target.where}; a slot can belong to one applied patch at a time. Release "
+                    f"{other.patch.name!r} first, or give the two patches distinct slots."
+                )
 
     def _restore(self, entry: _Entry) -> None:
         for record in reversed(entry.applied):

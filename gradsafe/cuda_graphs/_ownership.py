@@ -119,25 +119,31 @@ def owning_graphed(
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
             # One slot per forward argument: checked when the callable was made.
             static = upstream_backward(ctx, *grads)
+            if not isinstance(static, tuple):
+                # once_differentiable returns its error node's lone output
+                # bare when the incoming gradients require grad (create_graph).
+                static = (static,)
             owned = list(static)
             accumulating: bool | None = None  # probed once, only if a chained slot needs it
-            with torch.no_grad():
-                for i, grad in enumerate(static):
-                    edge = ctx.gradsafe_edge_of[i]
-                    if grad is None or edge is None or not ctx.needs_input_grad[i]:
-                        continue
-                    node = ctx.next_functions[edge][0]
-                    if node is None:
-                        continue
-                    if is_accumulate_grad(node):
-                        copy = _leaf_needs_copy(node, policy)
-                    else:
-                        held = ctx.gradsafe_chained[i]
-                        if held is not None and accumulating is None:
-                            accumulating = is_accumulating_backward(_evidence_nodes(ctx))
-                        copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
-                    if copy:
-                        owned[i] = grad.clone()
+            for i, grad in enumerate(static):
+                edge = ctx.gradsafe_edge_of[i]
+                if grad is None or edge is None or not ctx.needs_input_grad[i]:
+                    continue
+                node = ctx.next_functions[edge][0]
+                if node is None:
+                    continue
+                if is_accumulate_grad(node):
+                    copy = _leaf_needs_copy(node, policy)
+                else:
+                    held = ctx.gradsafe_chained[i]
+                    if held is not None and accumulating is None:
+                        accumulating = is_accumulating_backward(_evidence_nodes(ctx))
+                    copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
+                if copy:
+                    # In the engine's grad mode: under create_graph the clone keeps
+                    # once_differentiable's error node, so differentiating again
+                    # still raises instead of treating the gradient as a constant.
+                    owned[i] = grad.clone()
             return tuple(owned)
 
     setattr(GradsafeGraphed, _MARK, True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -92,6 +93,16 @@ class WeightGradHandoff:
         return (
             f"WeightGradHandoff(state={self._state.value}, intermediates={self.num_intermediates}, "
             f"nodes={self.num_nodes})"
+        )
+
+    def __iter__(self) -> NoReturn:
+        # torch's stage_backward_weight iterates its param_groups first, before
+        # touching any gradient: reached when B ran patched and W did not.
+        raise SplitBackwardError(
+            "torch's stage_backward_weight got gradsafe's hand-off: stage_backward_input ran "
+            "under gradsafe.patch('pipelining') and stage_backward_weight after the patch was "
+            "released. Keep the patch active from B through W (patch at start-up, or around the "
+            "whole schedule step); no gradient was changed."
         )
 
     # -- used by stage_backward_weight -------------------------------------------------

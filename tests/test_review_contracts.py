@@ -1,0 +1,41 @@
+"""Review findings on the house contracts every module of gradsafe/ promises."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import gradsafe
+
+
+def test_no_assert_statements_in_the_package() -> None:
+    # "No assert for control flow anywhere in gradsafe/ (python -O strips it)."
+    root = Path(gradsafe.__file__).parent
+    found = [
+        f"{path.relative_to(root.parent)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Assert)
+    ]
+    assert found == []
+
+
+@pytest.mark.xfail(
+    reason="open: pipelining's torch internals are not in one module (a refactor, or the page)",
+    strict=True,
+)
+def test_modules_named_by_the_architecture_page_exist() -> None:
+    # docs/architecture.md: "Each capability keeps its uses of private torch
+    # internals in one module (`pipelining/_torch.py`, ...)": there is no
+    # pipelining/_torch.py; pipelining's internals are in _graph.py,
+    # _weight_pass.py and _patch.py (dtensor's in _torch.py, _probe.py and
+    # _strategy.py).
+    import re
+
+    root = Path(gradsafe.__file__).parent
+    page = (root.parent / "docs" / "architecture.md").read_text()
+    named = sorted(set(re.findall(r"`(?:gradsafe/)?(\w+/_\w+\.py)`", page)))
+    assert named, "the page names no module any more; update this test"
+    assert [p for p in named if not (root / p).exists()] == []
