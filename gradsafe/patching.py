@@ -481,6 +481,13 @@ class PatchRegistry:
                 plan = patch.plan()
         except (ImportError, AttributeError) as exc:
             return Skip(f"the installed torch lacks what this patch replaces ({exc})")
+        except Exception as exc:
+            # A changed internal fails in its own way (KeyError, TypeError, ...);
+            # like a missing one it is a skip with the reason, decided once.
+            return Skip(
+                f"probing the installed torch failed ({type(exc).__name__}: {exc}); gradsafe "
+                "does not recognise what this patch replaces here, please report it"
+            )
         if isinstance(plan, Skip):
             return plan
         for target in plan:
