@@ -138,7 +138,10 @@ class Report:
         ]
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(3)]
         if width is not None:
-            room = max(width - widths[0] - 6, 40)  # 6: the two " | " separators
+            # The hazard column takes at most a third; the two outcome columns
+            # share the rest (6: the two " | " separators).
+            widths[0] = min(widths[0], max(width // 3, 12))
+            room = max(width - widths[0] - 6, 24)
             for i in (1, 2):
                 widths[i] = min(widths[i], room // 2)
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)

@@ -27,11 +27,8 @@ def test_a_probe_that_raises_is_reported_not_raised(monkeypatch: pytest.MonkeyPa
     assert "changed torch internal" in report.render()
 
 
-@pytest.mark.xfail(reason="cosmetic: the hazard column is never cut; lead's call", strict=True)
 def test_table_fits_an_80_column_terminal() -> None:
-    # render(width) cuts cells "to fit width columns", but with the room
-    # floor of 40 and an uncut hazard column an 80-column terminal gets
-    # 104-column rows (cut cells *and* wrapped lines).
+    # render(width) cuts cells, the hazard column included, to fit the terminal.
     report = doctor.run(["cuda_graphs"])
     table = report.render(80).splitlines()[2:6]
     assert max(len(line) for line in table) <= 80

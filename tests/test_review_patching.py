@@ -133,11 +133,6 @@ def test_release_refuses_unknown_names(mod: types.ModuleType) -> None:
     assert mod.a is _torch_a
 
 
-@pytest.mark.xfail(
-    reason="design decision for the lead: a cached skip would also cache a failure caused by "
-    "the caller's context; raising blocks every other patch",
-    strict=True,
-)
 def test_a_probe_failing_on_a_changed_internal_is_a_cached_skip(mod: types.ModuleType) -> None:
     # README: "a patch whose target or call site differs is skipped with the
     # reason". A probe meeting a changed torch internal can fail with any
