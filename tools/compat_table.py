@@ -38,17 +38,23 @@ def verdict(outcome: dict[str, object]) -> str:
 def main(pythons: list[str]) -> None:
     reports = [doctor(p) for p in pythons]
     versions = [str(r["torch"]).split("+")[0] for r in reports]
-    hazards = list(dict.fromkeys(row["hazard"] for r in reports for row in r["rows"]))  # type: ignore[index]
-    print("| hazard | " + " | ".join(f"torch {v}: upstream / gradsafe" for v in versions) + " |")
-    print("|---" * (len(versions) + 1) + "|")
-    for hazard in hazards:
+    rows = {
+        row["hazard"]: row for report in reports for row in report["rows"]  # type: ignore[index]
+    }
+    print("| capability | hazard | " + " | ".join(f"torch {v}" for v in versions) + " |")
+    print("|---|---" + "|---" * len(versions) + "|")
+    for hazard, first in rows.items():
+        modelled = first["upstream_source"] != "installed torch"
         cells = []
         for report in reports:
-            rows = [row for row in report["rows"] if row["hazard"] == hazard]  # type: ignore[index]
+            found = [r for r in report["rows"] if r["hazard"] == hazard]  # type: ignore[index]
             cells.append(
-                f"{verdict(rows[0]['upstream'])} / {verdict(rows[0]['gradsafe'])}" if rows else "–"
+                f"{verdict(found[0]['upstream'])} → {verdict(found[0]['gradsafe'])}" if found else "–"
             )
-        print(f"| {hazard} | " + " | ".join(cells) + " |")
+        name = f"{hazard} (upstream modelled)" if modelled else hazard
+        print(f"| {first['capability']} | {name} | " + " | ".join(cells) + " |")
+    print()
+    print("Each cell: the installed torch's result → gradsafe's result, from `gradsafe doctor`.")
 
 
 if __name__ == "__main__":
