@@ -1,4 +1,4 @@
-"""Review findings on the patch registry's promises (docs/architecture.md, README "Use").
+"""The patch registry's promises (docs/architecture.md, README "Use").
 
 Each test is one defect found by trying the registry as a hostile user; they
 use a private registry over a throw-away module so they run in milliseconds.

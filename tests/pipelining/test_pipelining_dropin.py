@@ -1,4 +1,4 @@
-"""Review findings on the pipelining patch's drop-in promise (issue 12: "drop-in gaps a user meets")."""
+"""The pipelining patch's drop-in promise (issue 12: "drop-in gaps a user meets")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review findings on the doctor's promises (gradsafe/doctor.py, docs/architecture.md "The doctor")."""
+"""The doctor's promises (gradsafe/doctor.py, docs/architecture.md "The doctor")."""
 
 from __future__ import annotations
 

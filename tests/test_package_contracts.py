@@ -1,4 +1,4 @@
-"""Review findings on the house contracts every module of gradsafe/ promises."""
+"""The house contracts every module of gradsafe/ promises."""
 
 from __future__ import annotations
 

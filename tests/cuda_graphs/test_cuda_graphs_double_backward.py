@@ -1,4 +1,4 @@
-"""Review findings on gradsafe.cuda_graphs.make_graphed_callables (emulated CUDA graphs, any torch)."""
+"""make_graphed_callables under create_graph=True: double backward behaves as upstream (emulated CUDA graphs)."""
 
 from __future__ import annotations
 
