@@ -15,26 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsafe.pipelining._hazards import ReusedAroundOther
+
 MICROBATCHES = 4
 STAGES = 4
 DIM = 8
 
 
-class ReusedAroundOther(nn.Module):
-    """One nn.Linear applied at two nested sites with another Linear between them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outer = nn.Linear(DIM, DIM, dtype=torch.float64)
-        self.inner = nn.Linear(DIM, DIM, bias=False, dtype=torch.float64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.outer(torch.tanh(self.inner(self.outer(x)))))
-
-
 def build_stages() -> list[nn.Module]:
     torch.manual_seed(0)
-    return [ReusedAroundOther() for _ in range(STAGES)]
+    # One nn.Linear applied at two nested sites with another Linear between them.
+    return [ReusedAroundOther(DIM).double() for _ in range(STAGES)]
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
