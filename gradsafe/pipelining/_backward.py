@@ -23,6 +23,7 @@ from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
     describe,
+    detach_output,
     detached_by_w,
 )
 
@@ -69,7 +70,7 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[_Root], implie
         if not output.requires_grad:
             if detached_by_w(output):
                 raise SplitBackwardError(
-                    f"stage output {path} was detached by stage_backward_weight: B and W already "
+                    f"stage output {path} was detached by an earlier split backward: B already "
                     "ran for this microbatch. Redo the forward for another backward."
                 )
             return  # an output without a graph carries no gradient
@@ -241,14 +242,27 @@ def stage_backward_input(
             tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
 
     tensors = [r.tensor for r in roots if r.tensor is not None]
-    input_ids = {id(t) for t in input_values}
-    keep: list[torch.Tensor] = list(tensors)
+    keep: list[torch.Tensor] = []
     if any(is_python_node(n) for n in (*captured, *graph.weight_nodes)):
         # A custom Function's node is kept alive only by its C++ parents, and
-        # the schedule may detach the outputs before W: a view of each output
-        # is a C++ node that owns the graph until W ends.
+        # the outputs may be detached before W: a view of each output is a C++
+        # node that owns the graph until W ends.
         with torch.enable_grad():
-            keep += [t.view_as(t) for t in tensors]
+            keep = [t.view_as(t) for t in tensors]
+    # Like torch's B, detach the outputs now, so nothing above what W needs
+    # stays alive (e.g. the loss the schedule keeps). Not those another node
+    # consumes (W may unpack one a node saved) nor stage inputs passed
+    # through: W detaches those when done.
+    input_ids = {id(t) for t in input_values}
+    later: list[torch.Tensor] = []
+    consumed = {id(roots[i].tensor) for i in graph.consumed_outputs}
+    for t in dict.fromkeys(tensors):
+        if t.grad_fn is None or id(t) in input_ids or t._is_view():
+            continue  # leaves and inputs are the caller's; views cannot be detached in place
+        if id(t) in consumed:
+            later.append(t)
+        else:
+            detach_output(t)
     recorded = []
     for item in graph.intermediates:
         grads = captured.get(item.node, ())
@@ -265,10 +279,8 @@ def stage_backward_input(
         leaf_nodes=list(graph.leaves),
         leaves=list(graph.leaves.values()),
         owners=owners,
-        # Detached after W: those with a graph of their own, not stage inputs
-        # passed through (detaching would cut the caller's tensor).
-        outputs=[t for t in tensors if t.grad_fn is not None and id(t) not in input_ids],
-        keep_alive=keep[len(tensors):],
+        outputs=later,
+        keep_alive=keep,
         num_nodes=graph.num_nodes,
     )
     return tuple(dinputs), handoff

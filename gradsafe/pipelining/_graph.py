@@ -60,6 +60,9 @@ class StageGraph:
     weight_only_outputs: tuple[int, ...]
     # Positions of outputs from which some stage input is reachable (B's roots).
     input_side_outputs: tuple[int, ...]
+    # Positions of outputs whose node another node in the graph consumes (an
+    # output also used inside the stage): a node W runs may have saved it.
+    consumed_outputs: tuple[int, ...]
     num_nodes: int
 
 
@@ -130,6 +133,7 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
     weight_nodes = tuple(
         node for node in reversed(flags) if flags[node] == _REACHES_PARAM and node not in leaves
     )
+    consumed = {kid for kids in children.values() for kid, _ in kids}
     weight_only = tuple(i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM)
     input_side = tuple(i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT)
     return StageGraph(
@@ -138,5 +142,6 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
         leaves=leaves,
         weight_only_outputs=weight_only,
         input_side_outputs=input_side,
+        consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
         num_nodes=len(flags),
     )

@@ -11,15 +11,28 @@ from torch.autograd.graph import Node
 
 from gradsafe.pipelining._weight_pass import Recorded, deliver, leaf_grads
 
-__all__ = ["HandoffState", "SplitBackwardError", "WeightGradHandoff", "describe", "detached_by_w"]
+__all__ = [
+    "HandoffState",
+    "SplitBackwardError",
+    "WeightGradHandoff",
+    "describe",
+    "detach_output",
+    "detached_by_w",
+]
 
-# Stage outputs W detached, by id (tensors compare elementwise, so no WeakSet):
-# a later B on one of them is B run twice for a microbatch.
+# Stage outputs a split backward detached, by id (tensors compare elementwise,
+# so no WeakSet): a later B on one of them is B run twice for a microbatch.
 _DETACHED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+def detach_output(tensor: torch.Tensor) -> None:
+    """Detach a stage output in place, remembering that B already ran from it."""
+    tensor.detach_()
+    _DETACHED[id(tensor)] = tensor
+
+
 def detached_by_w(tensor: torch.Tensor) -> bool:
-    """Whether a W detached ``tensor`` (a stage output of a microbatch it finished)."""
+    """Whether B or W detached ``tensor`` (a stage output of a microbatch already backwarded)."""
     return _DETACHED.get(id(tensor)) is tensor
 
 
@@ -81,7 +94,7 @@ class WeightGradHandoff:
         # Per leaf, the tensors a caller may name it by: the leaf itself and,
         # for an FSDP2 parameter, its sharded/unsharded counterpart.
         self._owners = tuple(owners)
-        # Stage outputs, which own the graph until W and are detached after it.
+        # Stage outputs another node consumes: detached after W, not in B.
         self._outputs = tuple(outputs)
         # Views of the outputs, made while they had a graph: their C++ nodes own
         # custom-Function nodes W calls even if the outputs are detached first.
@@ -156,9 +169,7 @@ class WeightGradHandoff:
             raise
         if not retain_graph:
             for out in self._outputs:
-                if not out._is_view():  # views cannot be detached in place
-                    out.detach_()
-                    _DETACHED[id(out)] = out
+                detach_output(out)
         self._finish(HandoffState.CONSUMED)
 
     def _check_usable(self) -> None:

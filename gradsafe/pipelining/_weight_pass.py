@@ -119,11 +119,18 @@ class _Deliver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grads, ctx.grads = ctx.grads, None
-        return (None, None, *grads)
+        out = (None, None, *grads)
+        # Drop the caller's references too: AccumulateGrad then adopts each
+        # gradient as `.grad` instead of copying it (no transient second copy).
+        grads.clear()
+        return out
 
 
 def deliver(leaves: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    """One engine backward that runs each leaf's AccumulateGrad once, with its hooks."""
+    """One engine backward that runs each leaf's AccumulateGrad once, with its hooks.
+
+    ``grads`` is emptied: the accumulators take ownership of its tensors.
+    """
     if not leaves:
         return
     anchor = torch.zeros((), requires_grad=True)

@@ -58,15 +58,19 @@ def test_b_twice_for_one_microbatch_is_refused_before_and_after_w() -> None:
     model = _model()
     x = torch.randn(3, 4, requires_grad=True)
     out = model(x)
+    used = out * 2  # consumed inside the stage: stays attached until W
     g = torch.ones(3, 4)
-    _, handoff = stage_backward_input([out], [g], [x], model.parameters())
+    _, handoff = stage_backward_input([out, used], [g, g], [x], model.parameters())
     x_grad = x.grad.clone()
+    assert out.requires_grad and not used.requires_grad, "B detaches exactly the unconsumed outputs"
     with pytest.raises(SplitBackwardError, match="already ran from these stage outputs"):
         stage_backward_input([out], [g], [x], model.parameters())
+    with pytest.raises(SplitBackwardError, match="detached by an earlier split backward"):
+        stage_backward_input([used], [g], [x], model.parameters())
     assert torch.equal(x.grad, x_grad), "the refused B changed an input gradient"
     stage_backward_weight(model.parameters(), handoff)
-    assert not out.requires_grad, "W leaves the outputs attached to the graph"
-    with pytest.raises(SplitBackwardError, match="detached by stage_backward_weight"):
+    assert not out.requires_grad, "W leaves a consumed output attached to the graph"
+    with pytest.raises(SplitBackwardError, match="detached by an earlier split backward"):
         stage_backward_input([out], [g], [x], model.parameters())
 
 
