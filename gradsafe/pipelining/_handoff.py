@@ -147,9 +147,10 @@ class WeightGradHandoff:
                 )
             self._check_weights(weights)
             try:
-                grads = leaf_grads(
-                    self._recorded, self._output_roots, self._weight_nodes, self._leaf_nodes
-                )
+                # W takes the recorded nodes over and drops each once used.
+                recorded, self._recorded = list(self._recorded), ()
+                weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
+                grads = leaf_grads(recorded, self._output_roots, weight_nodes, self._leaf_nodes)
             except Exception as exc:
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "

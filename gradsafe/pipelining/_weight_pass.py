@@ -67,28 +67,39 @@ class _TaskScope(torch.autograd.Function):
 
 
 def leaf_grads(
-    recorded: Sequence[Recorded],
+    recorded: list[Recorded],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
-    weight_nodes: Sequence[Node],
+    weight_nodes: list[Node],
     leaves: Sequence[Node],
 ) -> list[torch.Tensor | None]:
-    """Each leaf's total gradient (None where none arrives), in ``leaves`` order; no side effects."""
+    """Each leaf's total gradient (None where none arrives), in ``leaves`` order; no side effects.
+
+    Consumes ``recorded`` and ``weight_nodes``: each node is dropped once called,
+    so the activations it saved are freed while W goes on (as the engine frees
+    them in a backward without ``retain_graph``), not all at W's end.
+    """
     sums: dict[EdgeKey, torch.Tensor] = {}
     failure: list[BaseException] = []
+    wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
+    recorded.reverse()
+    weight_nodes.reverse()
 
     def work() -> None:
         try:
-            for node, grads, edges in recorded:
+            while recorded:
+                node, grads, edges = recorded.pop()
                 outputs = call_node(node, grads)
                 for output_index, child, input_nr in edges:
                     _add(sums, child, input_nr, outputs[output_index])
-            for node in weight_nodes:
+                del node, grads, edges, outputs
+            while weight_nodes:
+                node = weight_nodes.pop()
                 grads = tuple(sums.pop((node, i), None) for i in range(len(node._input_metadata)))  # type: ignore[attr-defined]
-                if all(g is None for g in grads):
-                    continue
-                for (child, input_nr), grad in zip(node.next_functions, call_node(node, grads)):
-                    if child is not None:
-                        _add(sums, child, input_nr, grad)
+                if any(g is not None for g in grads):
+                    for (child, input_nr), grad in zip(node.next_functions, call_node(node, grads)):
+                        if child is not None:
+                            _add(sums, child, input_nr, grad)
+                del node, grads
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
@@ -101,7 +112,6 @@ def leaf_grads(
         # `inputs=` puts every weight-side node into the task's execution info
         # (the anchor makes the helper node itself needed); input-side nodes
         # are not in it, so the direct calls skip the outputs that go there.
-        wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
         torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[list-item]
         if failure:
             raise failure[0]
