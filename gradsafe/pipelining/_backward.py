@@ -206,6 +206,8 @@ def stage_backward_input(
                 "cannot give it one gradient with its hooks run once. Pass a copy of it as the "
                 "stage input, or use stage_backward (fused)."
             )
+    for i, t in inputs:
+        _refuse_in_place_weight_use(i, t, weight_ids)
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
@@ -284,6 +286,38 @@ def stage_backward_input(
         num_nodes=graph.num_nodes,
     )
     return tuple(dinputs), handoff
+
+
+def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: set[int]) -> None:
+    """Refuse a non-leaf stage input that the stage modified in place with one of its parameters.
+
+    B reads the input's gradient edge after the forward, when it is already the
+    in-place node (``x.mul_(w)``): the walk would stop there, dropping ``w``'s
+    gradient and returning the gradient of the modified value, not of the input.
+    Detected when the input's node reaches a parameter within two steps (e.g.
+    through ``w.t()``); the previous stage's nodes reach none of this stage's.
+    """
+    node = tensor.grad_fn
+    if node is None:
+        return
+    frontier = [node]
+    for _ in range(2):
+        nxt = []
+        for current in frontier:
+            for child, _ in current.next_functions:
+                if child is None:
+                    continue
+                variable = leaf_variable(child)
+                if variable is not None and id(variable) in weight_ids:
+                    raise SplitBackwardError(
+                        f"input_values[{index}] was modified in place using one of the stage's "
+                        f"parameters ({describe(variable)}, through {node.name()}): a split "
+                        "backward would drop that parameter's gradient and return the gradient "
+                        "of the modified value. Clone the input before modifying it in place "
+                        "(x = x.clone()), or use stage_backward (fused)."
+                    )
+                nxt.append(child)
+        frontier = nxt
 
 
 def _owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:

@@ -213,3 +213,25 @@ def test_none_only_gradient_fires_hooks_like_a_fused_backward() -> None:
         return rec.events
 
     assert run(split=True) == run(split=False)
+
+
+def test_in_place_weight_use_on_a_non_leaf_input_is_refused() -> None:
+    w = nn.Parameter(torch.randn(4))
+    holder = nn.Module()
+    holder.w = w
+    base = torch.randn(3, 4, requires_grad=True)
+    x = base * 1  # a non-leaf stage input (the previous stage's graph behind it)
+    x.mul_(w)  # inside the stage: x's grad_fn is now the in-place node
+    out = torch.tanh(x)
+    with pytest.raises(SplitBackwardError, match=r"input_values\[0\] was modified in place.*MulBackward0"):
+        stage_backward_input([out], [torch.ones(3, 4)], [x], holder.parameters())
+    assert w.grad is None and base.grad is None
+    # Cloning first, as the message says, is exact.
+    x = (base * 1).clone()
+    y = x.clone()
+    y.mul_(w)
+    want = torch.autograd.grad(torch.tanh(y).sum(), [x, w], retain_graph=True)
+    (dx,), handoff = stage_backward_input([torch.tanh(y)], [torch.ones(3, 4)], [x], holder.parameters())
+    stage_backward_weight(holder.parameters(), handoff)
+    torch.testing.assert_close(dx, want[0])
+    torch.testing.assert_close(w.grad, want[1])
