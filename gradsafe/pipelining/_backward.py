@@ -18,6 +18,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gradsafe.pipelining._graph import analyze
+from gradsafe.pipelining._weight_pass import Recorded
 from gradsafe.pipelining._internals import fsdp_counterparts, input_meta, is_python_node, leaf_variable
 from gradsafe.pipelining._handoff import (
     SplitBackwardError,
@@ -189,7 +190,7 @@ def stage_backward_input(
     weight_list = _tensor_list(weights, "weights")
     roots: list[_Root] = []
     _collect_roots(stage_outputs_or_loss, output_grads, "", roots, output_grads is None)
-    if any(_B_DONE in root.edge.node.metadata for root in roots):
+    if any(_B_DONE in root.edge.node.metadata for root in roots):  # type: ignore[operator]
         raise SplitBackwardError(
             "stage_backward_input already ran from these stage outputs: B runs once per "
             "microbatch (a second B would add the input gradients twice). Redo the forward for "
@@ -221,7 +222,7 @@ def stage_backward_input(
         b_roots = [roots[i] for i in graph.input_side_outputs]
         if b_roots and inputs:
             grads = torch.autograd.grad(
-                [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[misc]
+                [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
                 [t for _, t in inputs],
                 [r.grad for r in b_roots],
                 retain_graph=True,  # W still needs the saved tensors of the intermediates
@@ -234,7 +235,7 @@ def stage_backward_input(
             handle.remove()
     for i in graph.input_side_outputs:
         if leaf_variable(roots[i].edge.node) is None:
-            roots[i].edge.node.metadata[_B_DONE] = True
+            roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
 
     for i, tensor in inputs:
         dinput = dinputs[i]
@@ -265,12 +266,12 @@ def stage_backward_input(
             later.append(t)
         else:
             detach_output(t)
-    recorded = []
+    recorded: list[Recorded] = []
     for item in graph.intermediates:
-        grads = captured.get(item.node, ())
-        if any(g is not None for g in grads):
+        arrived = captured.get(item.node, ())
+        if any(g is not None for g in arrived):
             edges = tuple((e.output_index, e.node, e.input_nr) for e in item.weight_edges)
-            recorded.append((item.node, grads, edges))
+            recorded.append((item.node, arrived, edges))
     handoff = WeightGradHandoff(
         recorded=recorded,
         output_roots=[
@@ -323,7 +324,7 @@ def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: se
 def _owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:
     """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error."""
     counterparts: dict[int, torch.Tensor] | None = None
-    owners = []
+    owners: list[tuple[torch.Tensor, ...]] = []
     for leaf in leaves:
         if id(leaf) in weight_ids:
             owners.append((leaf,))
@@ -421,7 +422,7 @@ def stage_backward(
     roots: list[_Root] = []
     _collect_roots(stage_output, output_grads, "", roots, output_grads is None)
     torch.autograd.backward(
-        [r.edge if r.tensor is None else r.tensor for r in roots],  # type: ignore[misc]
+        [r.edge if r.tensor is None else r.tensor for r in roots],  # type: ignore[arg-type]
         grad_tensors=[r.grad for r in roots],
     )
     grads: list[torch.Tensor | None] = []

@@ -30,6 +30,7 @@ __all__ = [
     "is_python_node",
     "leaf_variable",
     "missing_feature",
+    "num_inputs",
 ]
 
 
@@ -42,6 +43,11 @@ def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torc
     """Shape, dtype and device of the gradient ``node`` expects at input ``input_nr``."""
     meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
     return torch.Size(meta.shape), meta.dtype, meta.device
+
+
+def num_inputs(node: Node) -> int:
+    """How many gradients ``node`` takes (one per output of its forward)."""
+    return len(node._input_metadata)  # type: ignore[attr-defined]
 
 
 def leaf_variable(node: Node) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._internals import call_node, input_meta
+from gradsafe.pipelining._internals import call_node, input_meta, num_inputs
 
 __all__ = ["Recorded", "deliver", "leaf_grads"]
 
@@ -89,17 +89,18 @@ def leaf_grads(
             while recorded:
                 node, grads, edges = recorded.pop()
                 outputs = call_node(node, grads)
-                for output_index, child, input_nr in edges:
-                    _add(sums, child, input_nr, outputs[output_index])
+                for output_index, target, target_nr in edges:
+                    _add(sums, target, target_nr, outputs[output_index])
                 del node, grads, edges, outputs
             while weight_nodes:
-                node = weight_nodes.pop()
-                grads = tuple(sums.pop((node, i), None) for i in range(len(node._input_metadata)))  # type: ignore[attr-defined]
-                if any(g is not None for g in grads):
-                    for (child, input_nr), grad in zip(node.next_functions, call_node(node, grads)):
+                weight_node = weight_nodes.pop()
+                arrived = tuple(sums.pop((weight_node, i), None) for i in range(num_inputs(weight_node)))
+                if any(g is not None for g in arrived):
+                    sent = call_node(weight_node, arrived)
+                    for (child, input_nr), grad in zip(weight_node.next_functions, sent):
                         if child is not None:
                             _add(sums, child, input_nr, grad)
-                del node, grads
+                del weight_node, arrived
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
@@ -112,7 +113,7 @@ def leaf_grads(
         # `inputs=` puts every weight-side node into the task's execution info
         # (the anchor makes the helper node itself needed); input-side nodes
         # are not in it, so the direct calls skip the outputs that go there.
-        torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[list-item]
+        torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[arg-type]
         if failure:
             raise failure[0]
     return [sums.get((leaf, 0)) for leaf in leaves]
