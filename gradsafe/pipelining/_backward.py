@@ -18,8 +18,6 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gradsafe.pipelining._graph import analyze
-from gradsafe.pipelining._weight_pass import Recorded
-from gradsafe.pipelining._internals import fsdp_counterparts, input_meta, is_python_node, leaf_variable
 from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
@@ -27,6 +25,14 @@ from gradsafe.pipelining._handoff import (
     detach_output,
     detached_by_w,
 )
+from gradsafe.pipelining._internals import (
+    fsdp_counterparts,
+    input_meta,
+    is_python_node,
+    is_view,
+    leaf_variable,
+)
+from gradsafe.pipelining._weight_pass import Recorded
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -260,7 +266,7 @@ def stage_backward_input(
     later: list[torch.Tensor] = []
     consumed = {id(roots[i].tensor) for i in graph.consumed_outputs}
     for t in dict.fromkeys(tensors):
-        if t.grad_fn is None or id(t) in input_ids or t._is_view():
+        if t.grad_fn is None or id(t) in input_ids or is_view(t):
             continue  # leaves and inputs are the caller's; views cannot be detached in place
         if id(t) in consumed:
             later.append(t)

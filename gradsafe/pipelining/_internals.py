@@ -11,6 +11,7 @@ and :func:`missing_feature` reports it before the patch is applied:
   the engine, so no hooks run and nothing flows into other nodes;
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
+- ``Tensor._is_view``: views cannot be detached in place;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
   parameter): which parameter autograd saw for the sharded one a caller passes.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "fsdp_counterparts",
     "input_meta",
     "is_python_node",
+    "is_view",
     "leaf_variable",
     "missing_feature",
     "num_inputs",
@@ -43,6 +45,11 @@ def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torc
     """Shape, dtype and device of the gradient ``node`` expects at input ``input_nr``."""
     meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
     return torch.Size(meta.shape), meta.dtype, meta.device
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view (those cannot be detached in place)."""
+    return bool(tensor._is_view())
 
 
 def num_inputs(node: Node) -> int:
