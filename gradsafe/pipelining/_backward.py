@@ -386,9 +386,11 @@ def stage_backward_weight(
         weights: the parameters given to B (more are fine; missing ones are an
             error), or their FSDP2 sharded/unsharded counterparts.
         param_groups: the hand-off B returned (named as in torch's signature).
-        retain_graph: keep the microbatch's graph attached to the stage outputs
-            after W. By default the outputs are detached in place afterwards
-            (torch's B detaches them), so nothing keeps the graph alive.
+        retain_graph: leave attached the stage outputs B could not detach
+            (those another node consumes). By default W detaches them, so
+            nothing keeps the microbatch's graph alive. W itself never frees
+            saved tensors: a weight-only part shared with a later backward
+            stays usable either way.
 
     Returns:
         The parameters' ``.grad`` after accumulation, in ``weights`` order.

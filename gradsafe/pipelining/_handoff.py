@@ -135,8 +135,8 @@ class WeightGradHandoff:
         counterparts). Every error gradsafe can detect is raised as
         :class:`SplitBackwardError` before any gradient changes or hook runs;
         any exception leaves the hand-off ``FAILED``. With ``retain_graph=False``
-        the stage outputs are detached in place afterwards (as torch's B does),
-        so nothing keeps the microbatch's graph alive.
+        the stage outputs B left attached (those another node consumes) are
+        detached in place afterwards, so nothing keeps the microbatch's graph alive.
         """
         self._check_usable()
         try:
@@ -166,7 +166,7 @@ class WeightGradHandoff:
         try:
             deliver(self._leaves, grads)
         except BaseException as exc:
-            self._finish(HandoffState.FAILED, f"a hook raised {type(exc).__name__}: {exc}")
+            self._finish(HandoffState.FAILED, f"delivery raised {type(exc).__name__}: {exc}")
             raise
         if not retain_graph:
             for out in self._outputs:
