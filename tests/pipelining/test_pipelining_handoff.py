@@ -240,3 +240,15 @@ def test_hazard_reproductions_right_with_gradsafe_wrong_without() -> None:
         assert isinstance(outcome, RuntimeError) or outcome.correct is False, name
 
 
+
+
+@pytest.mark.parametrize(
+    "context",
+    [torch.no_grad, torch.inference_mode, lambda: torch.device("meta")],
+    ids=["no_grad", "inference_mode", "meta device"],
+)
+def test_feature_probe_works_in_any_context(context: Any) -> None:
+    from gradsafe.pipelining._internals import missing_feature
+
+    with context():
+        assert missing_feature() is None
