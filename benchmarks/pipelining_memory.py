@@ -1,8 +1,9 @@
 """Memory a split backward holds: gradsafe vs torch's split vs one fused backward, side by side.
 
 Run: PYTHONPATH=. python benchmarks/pipelining_memory.py [--layers 8 --dim 2048 --batch 512 --microbatches 2]
+     PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
 
-One last pipeline stage (``layers`` x Linear(dim)+tanh, then an MSE loss),
+1. One last pipeline stage (``layers`` x Linear(dim)+tanh, then an MSE loss),
 driven the way torch's stage drives it: B for each microbatch (the stage
 output is detached in place after B, as ``stage.py`` does on the last stage),
 then W for each, while the losses stay referenced (the schedule keeps them in
@@ -11,6 +12,11 @@ every tensor storage created from the first forward on (activations, saved
 tensors, recorded gradients, parameter gradients) that is still alive,
 counted by a dispatch mode; "peak" is the maximum after any operator.
 Parameters and inputs, identical for all three, are not counted.
+
+2. ``--zbv``: one ``ScheduleZBVZeroBubble`` step on 2 gloo ranks (4 stages of
+``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
+right after any B, right after the last W, after ``step()`` (losses kept), and
+peak. "fused" runs each microbatch's whole backward in B and nothing in W.
 """
 
 from __future__ import annotations
@@ -91,13 +97,109 @@ def run(impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tens
     return {k: v / MiB for k, v in points.items()}
 
 
+def _zbv_rank(rank: int, port: int, impl: str, args: Any, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining import stage as stage_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    b, w = {
+        "gradsafe": (stage_backward_input, stage_backward_weight),
+        "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
+        "fused": (_fused_b, lambda weights, handoff, retain_graph=False: ()),
+    }[impl]
+    torch.manual_seed(0)
+    per_stage = max(1, args.layers // 4)
+    stages_all = [
+        nn.Sequential(*(m for _ in range(per_stage) for m in (nn.Linear(args.dim, args.dim), nn.Tanh())))
+        for _ in range(4)
+    ]
+    indices = [rank, 3 - rank]
+    stages = [PipelineStage(stages_all[i], i, 4, torch.device("cpu")) for i in indices]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=_mse)
+    x = torch.randn(args.batch * args.microbatches, args.dim)
+    y = torch.randn(args.batch * args.microbatches, args.dim)
+    existing = [p for i in indices for p in stages_all[i].parameters()] + [x, y]
+    points = {"after any B (max)": 0.0, "after the last W": 0.0}
+    with LiveBytes(existing) as mode:
+
+        def b_recorded(*a: Any) -> Any:
+            result = b(*a)
+            points["after any B (max)"] = max(points["after any B (max)"], mode.live())
+            return result
+
+        def w_recorded(*a: Any, **k: Any) -> Any:
+            result = w(*a, **k)
+            points["after the last W"] = mode.live()
+            return result
+
+        stage_module.stage_backward_input = b_recorded  # type: ignore[assignment]
+        stage_module.stage_backward_weight = w_recorded  # type: ignore[assignment]
+        losses: list[torch.Tensor] = []
+        schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()
+        gc.collect()
+        points["after step (losses kept)"] = mode.live()
+        points["peak"] = mode.peak
+    queue.put((rank, {k: v / MiB for k, v in points.items()}))
+    dist.destroy_process_group()
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).pow(2).mean()
+
+
+def _fused_b(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
+    torch.autograd.backward(outputs, grads)
+    dinputs = tuple(t.grad if isinstance(t, torch.Tensor) else None for t in inputs)
+    return dinputs, None
+
+
+def zbv(args: Any) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; "
+        f"ScheduleZBVZeroBubble, 2 gloo ranks, 4 stages of {max(1, args.layers // 4)} x "
+        f"(Linear({args.dim}) + tanh), {args.microbatches} microbatches of {args.batch}, MiB per rank"
+    )
+    ctx = mp.get_context("spawn")
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for impl in ("fused", "torch", "gradsafe"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_zbv_rank, args=(r, port, impl, args, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        got = dict(queue.get(timeout=600) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+        results[impl] = got
+    for rank in range(2):
+        print(f"rank {rank} (stages {rank} and {3 - rank})")
+        print(f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}")
+        for name in results["gradsafe"][rank]:
+            row = f"{name:<26}" + "".join(f"{results[i][rank][name]:12.1f}" for i in results)
+            if results["torch"][rank][name] > 0:
+                row += f"{results['gradsafe'][rank][name] / results['torch'][rank][name]:15.2f}x"
+            print(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--zbv", action="store_true", help="a 2-rank ZBV step instead of one stage")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--microbatches", type=int, default=2)
     args = parser.parse_args()
+    if args.zbv:
+        zbv(args)
+        return
     torch.manual_seed(0)
     print(
         f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; "
