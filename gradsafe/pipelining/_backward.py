@@ -180,13 +180,15 @@ def stage_backward_input(
         (None for non-tensors, inputs not requiring grad, or unused ones; it is also
         accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
         single-use hand-off W needs. No weight gradient is computed here and no
-        parameter hook runs. The outputs stay attached to the graph until W (a
-        node W needs may have saved one); W detaches them.
+        parameter hook runs. Like torch's B, the outputs are detached in place,
+        except those another node of the stage consumes (a node W calls may
+        have saved one): W detaches those.
 
     Raises:
         SplitBackwardError: malformed outputs or gradients, B already run from
-            these outputs, a parameter passed as a stage input, or a leaf in the
-            graph that is none of ``weights``. Nothing has changed then.
+            these outputs, a parameter passed as a stage input, a non-leaf input
+            modified in place with a parameter, or a leaf in the graph that is
+            none of ``weights``. Nothing has changed then.
     """
     if not isinstance(input_values, (tuple, list)):
         raise SplitBackwardError(
