@@ -23,7 +23,7 @@ from gradsafe.pipelining._handoff import (
     WeightGradHandoff,
     describe,
     detach_output,
-    detached_by_w,
+    detached_by_split,
 )
 from gradsafe.pipelining._internals import (
     fsdp_counterparts,
@@ -75,7 +75,7 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[_Root], implie
                 "expected a Tensor or None."
             )
         if not output.requires_grad:
-            if detached_by_w(output):
+            if detached_by_split(output):
                 raise SplitBackwardError(
                     f"stage output {path} was detached by an earlier split backward: B already "
                     "ran for this microbatch. Redo the forward for another backward."

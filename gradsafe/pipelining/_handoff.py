@@ -17,7 +17,7 @@ __all__ = [
     "WeightGradHandoff",
     "describe",
     "detach_output",
-    "detached_by_w",
+    "detached_by_split",
 ]
 
 # Stage outputs a split backward detached, by id (tensors compare elementwise,
@@ -31,7 +31,7 @@ def detach_output(tensor: torch.Tensor) -> None:
     _DETACHED[id(tensor)] = tensor
 
 
-def detached_by_w(tensor: torch.Tensor) -> bool:
+def detached_by_split(tensor: torch.Tensor) -> bool:
     """Whether B or W detached ``tensor`` (a stage output of a microbatch already backwarded)."""
     return _DETACHED.get(id(tensor)) is tensor
 
