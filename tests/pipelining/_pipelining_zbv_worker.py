@@ -1,9 +1,11 @@
 """One rank of a 2-rank zero-bubble schedule run on gloo (run by test_pipelining_schedule.py).
 
-argv: rank port mode(gradsafe|upstream) schedule(ZBV|InterleavedZB) wrapper(none|ddp|fsdp|fsdp_mp)
-outdir. Each rank holds two of the four stages, optionally wrapped (DDP, or FSDP2 over the rank's
-own one-rank mesh: parameters are still swapped between sharded and unsharded around every
-forward/backward), and trains STEPS SGD steps. Writes outdir/rank{r}.pt with the final
+argv: rank port mode(gradsafe|upstream) schedule(ZBV|InterleavedZB)
+wrapper(none|ddp|fsdp|fsdp_mp|fsdp_dp2) outdir. Each pipeline rank holds two of the four
+stages, optionally wrapped: DDP, or FSDP2 over the rank's own one-rank mesh (parameters are
+still swapped between sharded and unsharded around every forward/backward), or, for fsdp_dp2,
+FSDP2 sharded over 2 data-parallel ranks (4 ranks: PP 2 x DP 2, each DP rank on half the
+batch). Trains STEPS SGD steps. Writes outdir/rank{r}.pt with the final
 parameters, post-accumulate hook counts, and whether a microbatch's activation outlived the
 step, or a crash message.
 """
@@ -62,18 +64,24 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """Single process: the same steps, each microbatch's loss divided by their number."""
+def data_parallel(wrapper: str) -> int:
+    return 2 if wrapper == "fsdp_dp2" else 1
+
+
+def reference(dp: int = 1) -> dict[str, torch.Tensor]:
+    """Single process: the same steps, each microbatch's loss divided by their number
+    (the schedule's scaling) and by the data-parallel degree (FSDP2's average)."""
     modules = build_stages()
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     for x, y in batches():
         opt.zero_grad()
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
-            h = xm
-            for m in modules:
-                h = m(h)
-            (loss_fn(h, ym) / MICROBATCHES).backward()
+        for xd, yd in zip(x.chunk(dp), y.chunk(dp)):
+            for xm, ym in zip(xd.chunk(MICROBATCHES), yd.chunk(MICROBATCHES)):
+                h = xm
+                for m in modules:
+                    h = m(h)
+                (loss_fn(h, ym) / (MICROBATCHES * dp)).backward()
         opt.step()
     return {f"{i}.{n}": p.detach().clone() for i, m in enumerate(modules) for n, p in m.named_parameters()}
 
@@ -93,12 +101,12 @@ def _wrap(module: nn.Module, wrapper: str, own_group: Any, allreduces: list[int]
 
         ddp.register_comm_hook(own_group, counting_allreduce)
         return ddp
-    if wrapper in ("fsdp", "fsdp_mp"):
+    if wrapper in ("fsdp", "fsdp_mp", "fsdp_dp2"):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(own_group, "cpu")
-        if wrapper == "fsdp":
+        if wrapper in ("fsdp", "fsdp_dp2"):
             fully_shard(module, mesh=mesh, reshard_after_forward=True)
         else:
             policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
@@ -113,16 +121,20 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     rank, port, mode, kind, wrapper, outdir = (int(sys.argv[1]), *sys.argv[2:7])
+    dp = data_parallel(wrapper)
+    pp_rank, dp_rank = divmod(rank, dp)
     result: dict[str, object] = {}
     try:
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=2,
+            world_size=2 * dp,
             timeout=timedelta(seconds=60),
         )
-        own_groups = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+        # Every rank creates every group, in the same order.
+        pp_groups = [dist.new_group([d + dp * p for p in range(2)]) for d in range(dp)]
+        dp_groups = [dist.new_group([dp * p + d for d in range(dp)]) for p in range(2)]
         from torch.distributed.pipelining import (
             PipelineStage,
             ScheduleInterleavedZeroBubble,
@@ -135,10 +147,10 @@ def main() -> None:
             gradsafe.patch("pipelining")
         modules = build_stages()
         if kind == "ZBV":
-            indices = [rank, STAGES - 1 - rank]  # V shape: rank 0 holds stages 0 and 3
+            indices = [pp_rank, STAGES - 1 - pp_rank]  # V shape: rank 0 holds stages 0 and 3
             schedule_cls = ScheduleZBVZeroBubble
         else:
-            indices = [rank, rank + 2]  # loop: rank 0 holds stages 0 and 2
+            indices = [pp_rank, pp_rank + 2]  # loop: rank 0 holds stages 0 and 2
             schedule_cls = ScheduleInterleavedZeroBubble
         counts: dict[str, int] = {}
         for index in indices:
@@ -151,9 +163,9 @@ def main() -> None:
 
                 p.register_post_accumulate_grad_hook(hook)
         allreduces: list[int] = []  # per DDP stage: all-reduced buckets (one bucket each)
-        wrapped = {i: _wrap(modules[i], wrapper, own_groups[rank], allreduces) for i in indices}
+        wrapped = {i: _wrap(modules[i], wrapper, dp_groups[pp_rank], allreduces) for i in indices}
         stages = [
-            PipelineStage(wrapped[i], i, STAGES, torch.device("cpu"), group=dist.group.WORLD)
+            PipelineStage(wrapped[i], i, STAGES, torch.device("cpu"), group=pp_groups[dp_rank])
             for i in indices
         ]
         schedule = schedule_cls(stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
@@ -165,6 +177,7 @@ def main() -> None:
         first.inner.register_forward_hook(lambda m, args, out: probes.append(weakref.ref(out)))
         losses: list[torch.Tensor] = []
         for x, y in batches():
+            x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
             opt.zero_grad()
             schedule.step(
                 *((x,) if has_first else ()),

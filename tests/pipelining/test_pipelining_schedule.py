@@ -45,6 +45,7 @@ def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, o
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     port = str(_free_port())
+    ranks = 2 * worker.data_parallel(wrapper)
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_pipelining_zbv_worker.py"), str(r), port, mode, kind, wrapper, str(tmp_path)],
@@ -52,7 +53,7 @@ def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, o
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for r in range(2)
+        for r in range(ranks)
     ]
     logs = []
     for proc in procs:
@@ -63,7 +64,7 @@ def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, o
                 p.kill()
             pytest.fail(f"{mode} {kind} {wrapper} run did not finish in 120 s")
     results = []
-    for r in range(2):
+    for r in range(ranks):
         path = tmp_path / f"rank{r}.pt"
         assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
         results.append(torch.load(path, weights_only=False))
@@ -100,13 +101,14 @@ _DDP_LEFT_PREPARED = pytest.mark.xfail(
 def _check_exact(results: list[dict[str, object]], wrapper: str) -> None:
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}: {res['crash']}"
-    want = worker.reference()
+    want = worker.reference(worker.data_parallel(wrapper))
     got = {k: v for res in results for k, v in res["params"].items()}  # type: ignore[union-attr]
     assert set(got) == set(want)
     # FSDP2 with param_dtype=float32 computes in fp32 against an fp64 reference.
     tol = 1e-5 if wrapper == "fsdp_mp" else 1e-9
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=tol, rtol=tol, msg=key)
+    for r, res in enumerate(results):  # every data-parallel replica holds the same parameters
+        for key, value in res["params"].items():  # type: ignore[union-attr]
+            torch.testing.assert_close(value, want[key], atol=tol, rtol=tol, msg=f"rank {r}: {key}")
     for res in results:
         assert res["alive_activations"] == 0, "a microbatch's activation outlived step()"
         assert res["losses_with_graph"] == 0, "a returned loss still holds its graph"
@@ -125,6 +127,7 @@ def _check_exact(results: list[dict[str, object]], wrapper: str) -> None:
         ("ZBV", "fsdp"),
         ("InterleavedZB", "fsdp"),
         ("InterleavedZB", "fsdp_mp"),
+        ("InterleavedZB", "fsdp_dp2"),
         pytest.param("InterleavedZB", "ddp", marks=_DDP_LEFT_PREPARED),
     ],
 )
