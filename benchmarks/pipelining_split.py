@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
 
 from gradsafe.pipelining import _graph, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining._hazards import ReusedLinear
 from torch.autograd.graph import get_gradient_edge
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -46,15 +47,9 @@ class Block(nn.Module):
 
 
 def linear_stack(layers: int, d: int, shared: bool, bias: bool) -> tuple[nn.Module, Forward]:
-    if shared:
-        one = nn.Linear(d, d, bias=bias)
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            for _ in range(layers):
-                x = torch.tanh(one(x))
-            return x
-
-        return one, fwd
+    if shared:  # H1's nested-shared-weight reproduction, at size
+        one = ReusedLinear(d, layers, bias)
+        return one, one
     stack = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(d, d, bias=bias), nn.Tanh())))
     return stack, stack
 
@@ -202,13 +197,12 @@ def section_analysis() -> None:
         model, fwd = transformer(layers, 16)
         x = torch.randn(2, 4, 16, requires_grad=True)
         out = fwd(x)
-        params = list(model.parameters())
         edges = [get_gradient_edge(out)]
         inputs = [get_gradient_edge(x).node]
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            graph = _graph.analyze(edges, inputs, params)
+            graph = _graph.analyze(edges, inputs)
             times.append(time.perf_counter() - start)
         t = min(times) * 1e3
         print(f"{layers:>6} | {graph.num_nodes:>6} | {t:7.2f} | {t * 1e3 / graph.num_nodes:7.2f}")

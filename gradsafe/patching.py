@@ -62,9 +62,23 @@ class PatchConflictWarning(UserWarning):
     """Something other than gradsafe replaced a slot gradsafe had patched."""
 
 
+def _owner(module: str, attr: str) -> tuple[object, str]:
+    """The object holding ``module.attr`` (``attr`` may be dotted: ``Class.method``) and the last name."""
+    *path, name = attr.split(".")
+    owner: object = importlib.import_module(module)
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
 @dataclasses.dataclass(frozen=True)
 class AttrTarget:
-    """Attribute ``attr`` of the module ``module``, replaced by ``replacement``."""
+    """Attribute ``attr`` of the module ``module``, replaced by ``replacement``.
+
+    ``attr`` may be dotted (``"PipelineStage._forward_metadata_inference"``):
+    the last name is replaced on the object the others lead to, which must
+    define it itself (a class attribute, not an inherited one).
+    """
 
     module: str
     attr: str
@@ -75,10 +89,12 @@ class AttrTarget:
         return f"{self.module}.{self.attr}"
 
     def read(self) -> object:
-        return getattr(importlib.import_module(self.module), self.attr)
+        owner, name = _owner(self.module, self.attr)
+        return getattr(owner, name)
 
     def write(self, value: object) -> None:
-        setattr(importlib.import_module(self.module), self.attr, value)
+        owner, name = _owner(self.module, self.attr)
+        setattr(owner, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +435,8 @@ class PatchRegistry:
                 target = record.target
                 if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
                     return record.original
-            current = getattr(importlib.import_module(module), attr)
+            owner, name = _owner(module, attr)
+            current = getattr(owner, name)
             known = self._originals.get((f"{module}.{attr}", ""))
             return known[1] if known is not None and current is known[0] else current
 
@@ -611,6 +628,10 @@ def _observe(target: Target) -> TargetState:
 def _peek(target: Target) -> object:
     """The slot's current object without importing anything (status() is passive)."""
     if isinstance(target, AttrTarget):
-        module = sys.modules.get(target.module)
-        return getattr(module, target.attr, MISSING) if module is not None else MISSING
+        if target.module not in sys.modules:
+            return MISSING
+        try:
+            return target.read()
+        except AttributeError:
+            return MISSING
     return target.read()

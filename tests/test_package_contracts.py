@@ -22,16 +22,9 @@ def test_no_assert_statements_in_the_package() -> None:
     assert found == []
 
 
-@pytest.mark.xfail(
-    reason="open: pipelining's torch internals are not in one module (a refactor, or the page)",
-    strict=True,
-)
 def test_modules_named_by_the_architecture_page_exist() -> None:
-    # docs/architecture.md: "Each capability keeps its uses of private torch
-    # internals in one module (`pipelining/_torch.py`, ...)": there is no
-    # pipelining/_torch.py; pipelining's internals are in _graph.py,
-    # _weight_pass.py and _patch.py (dtensor's in _torch.py, _probe.py and
-    # _strategy.py).
+    # docs/architecture.md names the module of each capability that keeps its
+    # uses of private torch internals; each must exist.
     import re
 
     root = Path(gradsafe.__file__).parent

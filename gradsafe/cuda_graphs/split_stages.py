@@ -35,13 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
 
 from gradsafe.cuda_graphs._structure import has_tensor_hooks, is_accumulate_grad, leaf_fate
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
 from gradsafe.pipelining import stage_backward_input
-from gradsafe.pipelining._handoff import HandoffState, WeightGradHandoff
-from gradsafe.pipelining._weight_pass import weight_edge_grads
+from gradsafe.pipelining import WeightGradHandoff
 
 __all__ = [
     "GraphedSplitStages",
@@ -345,28 +343,6 @@ def _backward_input(slot: _Slot, params: tuple[torch.Tensor, ...]) -> tuple[tupl
     return dinputs, handoff
 
 
-def _weight_grads(handoff: WeightGradHandoff, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
-    """W without delivery: each parameter's gradient, exactly a fused backward's, as new tensors."""
-    handoff._claim(params)
-    sums = weight_edge_grads(handoff._captured)
-    for root in handoff._output_roots:
-        key = (root.edge.node, root.edge.output_nr)
-        held = sums.get(key)
-        sums[key] = root.grad if held is None else held + root.grad
-    wanted = [p for p in params if p.requires_grad]
-    result: dict[int, torch.Tensor | None] = {}
-    if sums and wanted:
-        got = torch.autograd.grad(
-            [GradientEdge(node, nr) for node, nr in sums],  # type: ignore[arg-type]
-            wanted,
-            grad_outputs=list(sums.values()),
-            allow_unused=True,
-        )
-        result = {id(p): g for p, g in zip(wanted, got)}
-    handoff._finish(HandoffState.CONSUMED)
-    return tuple(result.get(id(p)) for p in params)
-
-
 def _check_inputs(chunk: int, module: Any, args: Any) -> tuple[torch.Tensor, ...]:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
@@ -476,7 +452,7 @@ def make_graphed_split_callables(
                     ),
                 )
                 _, handoff = _backward_input(trial, params[c])
-                _weight_grads(handoff, params[c])
+                handoff.weight_grads(params[c])
                 del outputs, trial, handoff
     torch.cuda.synchronize()
 
@@ -506,7 +482,7 @@ def make_graphed_split_callables(
             if pending is None:  # CaptureOrder puts each wgrad after its dgrad
                 raise RuntimeError(f"internal: {entry} captured before its dgrad")
             with torch.cuda.graph(slot.wgrad_graph, pool=pool):
-                slot.static_grad_params = _weight_grads(pending, ps)
+                slot.static_grad_params = pending.weight_grads(ps)
             del pending
             # The microbatch's autograd graph (activations, B's records) is dead after
             # W: let later captures in the pool reuse its memory, as the replay

@@ -8,96 +8,239 @@ value handed from B to W is a :class:`WeightGradHandoff`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from gradsafe.pipelining._graph import analyze, is_python_node
+from gradsafe.pipelining._graph import analyze
 from gradsafe.pipelining._handoff import (
-    CapturedIntermediate,
-    HandoffState,
-    OutputRoot,
     SplitBackwardError,
     WeightGradHandoff,
+    describe,
+    detach_output,
+    detached_by_split,
 )
-from gradsafe.pipelining._weight_pass import deliver, weight_edge_grads
+from gradsafe.pipelining._torch import (
+    fsdp_counterparts,
+    input_meta,
+    is_python_node,
+    is_view,
+    leaf_variable,
+    missing_feature,
+)
+from gradsafe.pipelining._weight_pass import Recorded
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 
-def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return list(value)
+_B_DONE = object()  # key in Node.metadata: B already ran from this node
+
+# Values that carry no gradient wherever they appear in a stage's outputs.
+_INERT = (type(None), bool, int, float, complex, str, bytes)
 
 
-def _output_pairs(
-    stage_outputs_or_loss: torch.Tensor | Sequence[Any], output_grads: Any
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    outputs = _as_list(stage_outputs_or_loss)
-    grads = [None] * len(outputs) if output_grads is None else _as_list(output_grads)
-    if len(grads) != len(outputs):
+@dataclasses.dataclass(frozen=True)
+class _Root:
+    """One stage output B starts from: its gradient edge, output gradient, and tensor (if any)."""
+
+    edge: GradientEdge
+    grad: torch.Tensor
+    tensor: torch.Tensor | None
+
+
+def _implied_grad(shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if math.prod(shape) != 1:
         raise SplitBackwardError(
-            f"stage_backward_input got {len(outputs)} stage outputs but {len(grads)} output "
-            "gradients; pass one gradient (or None) per output, or output_grads=None for a loss."
+            f"stage output {path} requires grad but its output gradient is None, and a gradient "
+            "can only be implied for a single-element output (a loss). Pass its gradient, or a "
+            "zero tensor if it gets none."
         )
-    pairs = []
-    for index, (out, grad) in enumerate(zip(outputs, grads)):
-        if not isinstance(out, torch.Tensor) or not out.requires_grad:
-            continue  # non-tensor outputs and outputs without a graph carry no gradient
-        if grad is None:
-            if output_grads is not None and out.numel() != 1:
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+def _collect_roots(output: Any, grad: Any, path: str, roots: list[_Root], implied: bool) -> None:
+    """Pair every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (same nesting).
+
+    A None gradient for a tuple/list/dict means no gradient flows there (as in
+    torch's ``stage_backward``), unless ``implied`` (a loss: output_grads=None).
+    """
+    if isinstance(output, torch.Tensor):
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise SplitBackwardError(
+                f"the output gradient for stage output {path} is a {type(grad).__name__}; "
+                "expected a Tensor or None."
+            )
+        if not output.requires_grad:
+            if detached_by_split(output):
                 raise SplitBackwardError(
-                    f"stage output {index} requires grad but its output gradient is None, and "
-                    "a gradient can only be implied for a single-element output (a loss). Pass "
-                    "its gradient, or a zero tensor if it gets none."
+                    f"stage output {path} was detached by an earlier split backward: B already "
+                    "ran for this microbatch. Redo the forward for another backward."
                 )
-            grad = torch.ones_like(out)
-        pairs.append((out, grad))
-    return pairs
+            return  # an output without a graph carries no gradient
+        if grad is None:
+            grad = _implied_grad(output.shape, path, output.dtype, output.device)
+        elif grad.shape != output.shape:
+            raise SplitBackwardError(
+                f"stage output {path} has shape {tuple(output.shape)} but its output gradient "
+                f"has shape {tuple(grad.shape)}."
+            )
+        roots.append(_Root(get_gradient_edge(output), grad, output))
+    elif isinstance(output, GradientEdge):
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise SplitBackwardError(
+                f"the output gradient for GradientEdge {path} is a {type(grad).__name__}; "
+                "expected a Tensor or None."
+            )
+        shape, dtype, device = input_meta(output.node, output.output_nr)
+        if grad is None:
+            grad = _implied_grad(shape, path, dtype, device)
+        elif grad.shape != shape:
+            raise SplitBackwardError(
+                f"GradientEdge {path} expects a gradient of shape {tuple(shape)}, got "
+                f"{tuple(grad.shape)}."
+            )
+        roots.append(_Root(output, grad, None))
+    elif isinstance(output, (tuple, list, dict)) and grad is None and not implied:
+        return
+    elif isinstance(output, (tuple, list)):
+        if grad is not None and (not isinstance(grad, (tuple, list)) or len(grad) != len(output)):
+            raise SplitBackwardError(
+                f"stage output {path} is a {type(output).__name__} of {len(output)} but its output "
+                f"gradient is {_shape_of(grad)}: pass one gradient (or None) per output, nested "
+                "the same way, or output_grads=None for a loss."
+            )
+        for index, item in enumerate(output):
+            _collect_roots(
+                item, None if grad is None else grad[index], f"{path}[{index}]", roots, implied
+            )
+    elif isinstance(output, dict):
+        if grad is not None and (not isinstance(grad, dict) or set(grad) != set(output)):
+            raise SplitBackwardError(
+                f"stage output {path} is a dict with keys {sorted(map(str, output))} but its output "
+                f"gradient is {_shape_of(grad)}: pass a dict with the same keys."
+            )
+        for key, item in output.items():
+            _collect_roots(
+                item, None if grad is None else grad[key], f"{path}[{key!r}]", roots, implied
+            )
+    elif not isinstance(output, _INERT):
+        raise SplitBackwardError(
+            f"stage output {path} is a {type(output).__name__}: B takes Tensors, GradientEdges, "
+            "and tuples/lists/dicts of them (None and Python scalars are ignored)."
+        )
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grads: Any) -> None:
     store[node] = tuple(grads)
 
 
+def _tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
+    items = list(values)
+    for index, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            raise SplitBackwardError(
+                f"{what}[{index}] is a {type(item).__name__}; expected the stage's parameters "
+                "(tensors), e.g. submod.parameters()."
+            )
+    return items
+
+
+@functools.cache
+def _missing_feature() -> str | None:
+    return missing_feature()  # depends only on the installed torch: probed once
+
+
+def _require_features() -> None:
+    """Refuse, on the first B, a torch whose autograd internals the split backward cannot use.
+
+    ``gradsafe.patch("pipelining")`` turns the same probe into a skip; this
+    covers the functions imported directly.
+    """
+    missing = _missing_feature()
+    if missing is not None:
+        raise SplitBackwardError(
+            f"gradsafe's split backward cannot run on torch {torch.__version__}: {missing}. "
+            "Use torch's own stage_backward_input/stage_backward_weight on this torch, or a "
+            "torch gradsafe supports (2.11-2.15)."
+        )
+
+
 def stage_backward_input(
-    stage_outputs_or_loss: torch.Tensor | Sequence[Any],
-    output_grads: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    stage_outputs_or_loss: Any,
+    output_grads: Any,
     input_values: Sequence[Any],
     weights: Iterable[torch.Tensor],
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightGradHandoff]:
     """B: gradients of the stage inputs only, and a hand-off for :func:`stage_backward_weight`.
 
     Args:
-        stage_outputs_or_loss: the stage's output tensors (or its loss). Entries that
-            are not tensors or do not require grad are ignored.
-        output_grads: one gradient per output, or None for a loss (ones are used).
+        stage_outputs_or_loss: the stage's outputs (or its loss): a tensor, a
+            ``GradientEdge``, or tuples/lists/dicts of them, nested as
+            ``stage_backward`` accepts. Outputs that do not require grad, None
+            and Python scalars are ignored; anything else is an error.
+        output_grads: gradients nested like the outputs (None entries only for
+            single-element outputs), or None for a loss (ones are used).
         input_values: the stage inputs; those that are tensors requiring grad get gradients.
-        weights: the stage's parameters (e.g. ``submod.parameters()``).
+        weights: the stage's parameters (e.g. ``submod.parameters()``). Every
+            leaf the stage's graph accumulates into must be one of them (or,
+            for FSDP2, its sharded/unsharded counterpart).
 
     Returns:
         ``(dinputs, handoff)``: ``dinputs[i]`` is the gradient of ``input_values[i]``
         (None for non-tensors, inputs not requiring grad, or unused ones; it is also
-        accumulated into the input's ``.grad``, as torch does), and the single-use
-        hand-off W needs. No weight gradient is computed here and no parameter hook
-        runs. Unlike torch's B, the outputs are not detached in place: a node W
-        still needs may have saved an output tensor (a parameter-only output, an
-        output that is also used inside the stage), and detaching it would break
-        W. The hand-off holds only what W needs; the rest of the graph is freed
-        when the caller drops the outputs (the schedule does after W).
+        accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
+        single-use hand-off W needs. No weight gradient is computed here and no
+        parameter hook runs. Like torch's B, the outputs are detached in place,
+        except those another node of the stage consumes (a node W calls may
+        have saved one): W detaches those.
+
+    Raises:
+        SplitBackwardError: malformed outputs or gradients, B already run from
+            these outputs, a parameter passed as a stage input, a non-leaf input
+            modified in place with a parameter, or a leaf in the graph that is
+            none of ``weights``. Nothing has changed then.
     """
-    weight_list = list(weights)
-    pairs = _output_pairs(stage_outputs_or_loss, output_grads)
+    _require_features()
+    if not isinstance(input_values, (tuple, list)):
+        raise SplitBackwardError(
+            f"input_values must be a tuple or list of the stage inputs, got "
+            f"{type(input_values).__name__}."
+        )
+    weight_list = _tensor_list(weights, "weights")
+    roots: list[_Root] = []
+    _collect_roots(stage_outputs_or_loss, output_grads, "", roots, output_grads is None)
+    if any(_B_DONE in root.edge.node.metadata for root in roots):  # type: ignore[operator]
+        raise SplitBackwardError(
+            "stage_backward_input already ran from these stage outputs: B runs once per "
+            "microbatch (a second B would add the input gradients twice). Redo the forward for "
+            "another backward."
+        )
+    weight_ids = {id(w) for w in weight_list}
     inputs = [
         (i, t) for i, t in enumerate(input_values) if isinstance(t, torch.Tensor) and t.requires_grad
     ]
-    params = [w for w in weight_list if w.requires_grad]
-    out_edges = [get_gradient_edge(out) for out, _ in pairs]
-    graph = analyze(out_edges, [get_gradient_edge(t).node for _, t in inputs], params)
+    for i, t in inputs:
+        if id(t) in weight_ids:
+            raise SplitBackwardError(
+                f"input_values[{i}] is also one of the stage's parameters; a split backward "
+                "cannot give it one gradient with its hooks run once. Pass a copy of it as the "
+                "stage input, or use stage_backward (fused)."
+            )
+    for i, t in inputs:
+        _refuse_in_place_weight_use(i, t, weight_ids)
+    graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
+    owners = _owners(graph.leaves.values(), weight_ids)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = [
@@ -106,12 +249,12 @@ def stage_backward_input(
     ]
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
-        b_pairs = [pairs[i] for i in graph.input_side_outputs]
-        if b_pairs and inputs:
+        b_roots = [roots[i] for i in graph.input_side_outputs]
+        if b_roots and inputs:
             grads = torch.autograd.grad(
-                [out for out, _ in b_pairs],
+                [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
                 [t for _, t in inputs],
-                [g for _, g in b_pairs],
+                [r.grad for r in b_roots],
                 retain_graph=True,  # W still needs the saved tensors of the intermediates
                 allow_unused=True,
             )
@@ -120,6 +263,9 @@ def stage_backward_input(
     finally:
         for handle in handles:
             handle.remove()
+    for i in graph.input_side_outputs:
+        if leaf_variable(roots[i].edge.node) is None:
+            roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
 
     for i, tensor in inputs:
         dinput = dinputs[i]
@@ -128,28 +274,102 @@ def stage_backward_input(
         if dinput is not None and tensor.is_leaf:
             tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
 
-    needs_owner = any(is_python_node(item.node) for item in graph.intermediates)
-    owners: list[Node] = []
-    if needs_owner:
-        # A custom Function's node is kept alive only by its C++ parents; a view
-        # of each output is a C++ node that owns the whole graph until W ends,
-        # even if the caller drops the outputs first.
+    tensors = [r.tensor for r in roots if r.tensor is not None]
+    keep: list[torch.Tensor] = []
+    if any(is_python_node(n) for n in (*captured, *graph.weight_nodes)):
+        # A custom Function's node is kept alive only by its C++ parents, and
+        # the outputs may be detached before W: a view of each output is a C++
+        # node that owns the graph until W ends.
         with torch.enable_grad():
-            owners = [out.view_as(out).grad_fn for out, _ in pairs]  # type: ignore[misc]
-
+            keep = [t.view_as(t) for t in tensors]
+    # Like torch's B, detach the outputs now, so nothing above what W needs
+    # stays alive (e.g. the loss the schedule keeps). Not those another node
+    # consumes (W may unpack one a node saved) nor stage inputs passed
+    # through: W detaches those when done.
+    input_ids = {id(t) for t in input_values}
+    later: list[torch.Tensor] = []
+    consumed = {id(roots[i].tensor) for i in graph.consumed_outputs}
+    for t in dict.fromkeys(tensors):
+        if t.grad_fn is None or id(t) in input_ids or is_view(t):
+            continue  # leaves and inputs are the caller's; views cannot be detached in place
+        if id(t) in consumed:
+            later.append(t)
+        else:
+            detach_output(t)
+    recorded: list[Recorded] = []
+    for item in graph.intermediates:
+        arrived = captured.get(item.node, ())
+        if any(g is not None for g in arrived):
+            edges = tuple((e.output_index, e.node, e.input_nr) for e in item.weight_edges)
+            recorded.append((item.node, arrived, edges))
     handoff = WeightGradHandoff(
-        captured=[
-            CapturedIntermediate(item, captured.get(item.node, ()))
-            for item in graph.intermediates
-            if any(g is not None for g in captured.get(item.node, ()))
+        recorded=recorded,
+        output_roots=[
+            (roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
+            for i in graph.weight_only_outputs
         ],
-        output_roots=[OutputRoot(out_edges[i], pairs[i][1]) for i in graph.weight_only_outputs],
-        params=list(graph.reached_params.values()),
-        weight_ids=frozenset(id(w) for w in weight_list),
+        weight_nodes=graph.weight_nodes,
+        leaf_nodes=list(graph.leaves),
+        leaves=list(graph.leaves.values()),
         owners=owners,
+        outputs=later,
+        keep_alive=keep,
         num_nodes=graph.num_nodes,
     )
     return tuple(dinputs), handoff
+
+
+def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: set[int]) -> None:
+    """Refuse a non-leaf stage input that the stage modified in place with one of its parameters.
+
+    B reads the input's gradient edge after the forward, when it is already the
+    in-place node (``x.mul_(w)``): the walk would stop there, dropping ``w``'s
+    gradient and returning the gradient of the modified value, not of the input.
+    Detected when the input's node reaches a parameter within two steps (e.g.
+    through ``w.t()``); the previous stage's nodes reach none of this stage's.
+    """
+    node = tensor.grad_fn
+    if node is None:
+        return
+    frontier = [node]
+    for _ in range(2):
+        nxt = []
+        for current in frontier:
+            for child, _ in current.next_functions:
+                if child is None:
+                    continue
+                variable = leaf_variable(child)
+                if variable is not None and id(variable) in weight_ids:
+                    raise SplitBackwardError(
+                        f"input_values[{index}] was modified in place using one of the stage's "
+                        f"parameters ({describe(variable)}, through {node.name()}): a split "
+                        "backward would drop that parameter's gradient and return the gradient "
+                        "of the modified value. Clone the input before modifying it in place "
+                        "(x = x.clone()), or use stage_backward (fused)."
+                    )
+                nxt.append(child)
+        frontier = nxt
+
+
+def _owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:
+    """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error."""
+    counterparts: dict[int, torch.Tensor] | None = None
+    owners: list[tuple[torch.Tensor, ...]] = []
+    for leaf in leaves:
+        if id(leaf) in weight_ids:
+            owners.append((leaf,))
+            continue
+        if counterparts is None:
+            counterparts = fsdp_counterparts()
+        other = counterparts.get(id(leaf))
+        if other is None or id(other) not in weight_ids:
+            raise SplitBackwardError(
+                f"the stage's graph accumulates into a {describe(leaf)} that is neither a stage "
+                "input nor one of `weights` (nor, for FSDP2, the counterpart of one). Pass every "
+                "parameter the stage uses in `weights` (submod.parameters()), or detach the tensor."
+            )
+        owners.append((leaf, other))
+    return owners
 
 
 def _expect_handoff(param_groups: object) -> WeightGradHandoff:
@@ -187,67 +407,31 @@ def stage_backward_weight(
     fused backward. The hand-off is consumed and everything it held released.
 
     Args:
-        weights: the parameters given to B (more are fine; missing ones are an error).
+        weights: the parameters given to B (more are fine; missing ones are an
+            error), or their FSDP2 sharded/unsharded counterparts.
         param_groups: the hand-off B returned (named as in torch's signature).
-        retain_graph: keep the saved tensors of the weight-only part of the graph
-            (only needed if that part is shared with a later backward).
+        retain_graph: leave attached the stage outputs B could not detach
+            (those another node consumes). By default W detaches them, so
+            nothing keeps the microbatch's graph alive. W itself never frees
+            saved tensors: a weight-only part shared with a later backward
+            stays usable either way.
 
     Returns:
         The parameters' ``.grad`` after accumulation, in ``weights`` order.
 
     Raises:
-        SplitBackwardError: no hand-off, one from torch's own B, one already used,
-            or one made for other parameters. No gradient is changed.
+        SplitBackwardError: no hand-off, one from torch's own B, one already
+            used or failed, one made for other parameters, a non-bool
+            ``retain_graph``, or a weight pass that cannot be computed (saved
+            tensors freed). No gradient has changed and no hook has run then,
+            and the hand-off is ``FAILED``. A user hook's own exception
+            propagates unchanged from the delivery step: parameters whose
+            AccumulateGrad ran before it keep their new gradient (their hooks
+            ran), the others do not, and the hand-off is ``FAILED``.
     """
-    weight_list = list(weights)
-    if not isinstance(retain_graph, bool):
-        raise SplitBackwardError(
-            f"retain_graph must be a bool, got {type(retain_graph).__name__}; W's third "
-            "positional argument is retain_graph, not another hand-off."
-        )
-    handoff = _expect_handoff(param_groups)
-    handoff._claim(weight_list)
-    try:
-        sums = weight_edge_grads(handoff._captured)
-        deliver(sums, handoff._output_roots, handoff._params, retain_graph)
-    except RuntimeError as exc:
-        handoff._finish(HandoffState.FAILED, f"{type(exc).__name__}: {exc}".splitlines()[0])
-        if "second time" in str(exc) or "already been freed" in str(exc):
-            raise SplitBackwardError(
-                "the weight pass needs saved tensors that were already freed: another backward "
-                "ran through this microbatch's graph without retain_graph=True between B and W "
-                "(or an earlier W freed a weight-only part this microbatch shares; pass "
-                "retain_graph=True to that W)."
-            ) from exc
-        raise
-    handoff._finish(HandoffState.CONSUMED)
+    weight_list = _tensor_list(weights, "weights")
+    _expect_handoff(param_groups).run(weight_list, retain_graph)
     return tuple(w.grad for w in weight_list)
-
-
-def _flatten_pairs(
-    output: Any, grad: Any, out_tensors: list[torch.Tensor], out_grads: list[torch.Tensor | None]
-) -> None:
-    if isinstance(output, torch.Tensor):
-        if not output.requires_grad:
-            return
-        if not isinstance(grad, (torch.Tensor, type(None))):
-            raise TypeError(f"expected a Tensor or None as gradient, got {type(grad).__name__}")
-        out_tensors.append(output)
-        out_grads.append(grad)
-    elif isinstance(output, (tuple, list)):
-        if grad is None:
-            return
-        if not isinstance(grad, (tuple, list)) or len(grad) != len(output):
-            raise TypeError("stage output and output gradient structures differ")
-        for out_item, grad_item in zip(output, grad):
-            _flatten_pairs(out_item, grad_item, out_tensors, out_grads)
-    elif isinstance(output, dict):
-        if grad is None:
-            return
-        if not isinstance(grad, dict) or set(grad) != set(output):
-            raise TypeError("stage output and output gradient dicts have different keys")
-        for key in output:
-            _flatten_pairs(output[key], grad[key], out_tensors, out_grads)
 
 
 def stage_backward(
@@ -259,17 +443,20 @@ def stage_backward(
     """A fused backward for one stage: parameters accumulate, input gradients are returned.
 
     Same contract as torch's ``stage_backward``: nested tuples/lists/dicts of
-    outputs are matched with their gradients, non-tensor outputs ignored; each
+    outputs (tensors or ``GradientEdge``) are matched with their gradients,
+    None and Python scalars ignored, other types refused; each
     tensor input's gradient is returned and its ``.grad`` cleared.
     ``outputs_with_grads_idxs`` (deprecated upstream) selects outputs by index.
     """
     if outputs_with_grads_idxs is not None:
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
-    out_tensors: list[torch.Tensor] = []
-    out_grads: list[torch.Tensor | None] = []
-    _flatten_pairs(stage_output, output_grads, out_tensors, out_grads)
-    torch.autograd.backward(out_tensors, grad_tensors=out_grads)  # type: ignore[arg-type]
+    roots: list[_Root] = []
+    _collect_roots(stage_output, output_grads, "", roots, output_grads is None)
+    torch.autograd.backward(
+        [r.edge if r.tensor is None else r.tensor for r in roots],  # type: ignore[arg-type]
+        grad_tensors=[r.grad for r in roots],
+    )
     grads: list[torch.Tensor | None] = []
     for value in input_values:
         if isinstance(value, torch.Tensor):

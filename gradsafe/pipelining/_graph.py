@@ -21,22 +21,12 @@ from collections.abc import Collection, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze", "is_python_node"]
+from gradsafe.pipelining._torch import leaf_variable
+
+__all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze"]
 
 _REACHES_INPUT = 1
 _REACHES_PARAM = 2
-
-
-def is_python_node(node: Node) -> bool:
-    """Whether ``node`` is a custom ``autograd.Function``'s node.
-
-    Its Python object does not own the C++ node, and calling it directly skips
-    what the engine does around ``backward`` (materializing grads, checking
-    counts), so W drives it through the engine instead.
-    """
-    from torch._C import _FunctionBase
-
-    return isinstance(node, _FunctionBase)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +44,6 @@ class Intermediate:
 
     node: Node
     weight_edges: tuple[WeightEdge, ...]
-    # Every other valid next node: the ones W must keep gradient away from.
-    other_children: tuple[Node, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +51,22 @@ class StageGraph:
     """The result of :func:`analyze`."""
 
     intermediates: tuple[Intermediate, ...]
+    # Weight-only nodes other than gradient accumulators, parents before children.
+    weight_nodes: tuple[Node, ...]
+    # Every gradient accumulator on the weight-only side, with the leaf it writes to.
+    leaves: dict[Node, torch.Tensor]
     # Positions (in the ``outputs`` given to analyze) of outputs whose gradient
     # edge is weight-only: their gradient goes to W unchanged, B never sees it.
     weight_only_outputs: tuple[int, ...]
     # Positions of outputs from which some stage input is reachable (B's roots).
     input_side_outputs: tuple[int, ...]
-    # Parameters whose AccumulateGrad node is reachable from the outputs, by node.
-    reached_params: dict[Node, torch.Tensor]
+    # Positions of outputs whose node another node in the graph consumes (an
+    # output also used inside the stage): a node W runs may have saved it.
+    consumed_outputs: tuple[int, ...]
     num_nodes: int
 
 
-def analyze(
-    outputs: Sequence[GradientEdge],
-    input_nodes: Collection[Node],
-    params: Collection[torch.Tensor],
-) -> StageGraph:
+def analyze(outputs: Sequence[GradientEdge], input_nodes: Collection[Node]) -> StageGraph:
     """Classify the graph behind ``outputs``; see the module docstring."""
     # The walk allocates a few tuples per node but no garbage cycles; pausing
     # the cyclic collector stops it from re-traversing the (graph-sized) heap
@@ -85,17 +74,15 @@ def analyze(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _analyze(outputs, set(input_nodes), {id(p): p for p in params})
+        return _analyze(outputs, set(input_nodes))
     finally:
         if collecting:
             gc.enable()
 
 
-def _analyze(
-    outputs: Sequence[GradientEdge], inputs: set[Node], params: dict[int, torch.Tensor]
-) -> StageGraph:
-    flags: dict[Node, int] = {}
-    reached: dict[Node, torch.Tensor] = {}
+def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
+    flags: dict[Node, int] = {}  # insertion order is post-order: children first
+    leaves: dict[Node, torch.Tensor] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
 
     for edge in outputs:
@@ -117,16 +104,14 @@ def _analyze(
                     continue
                 kids = children[node] = tuple(node.next_functions)
                 if not kids:
-                    # A parameter is found by its AccumulateGrad node's variable, so
-                    # parameters outside the graph never get an accumulator made.
-                    param = params.get(id(getattr(node, "variable", None)))
-                    if param is not None:
-                        reached[node] = param
+                    variable = leaf_variable(node)
+                    if variable is not None:
+                        leaves[node] = variable
                 pending = [k for k, _ in kids if k is not None and k not in flags]
                 if pending:
                     stack.extend(pending)
                     continue
-            state = _REACHES_PARAM if node in reached else 0
+            state = _REACHES_PARAM if node in leaves else 0
             for kid, _ in kids:
                 if kid is not None:
                     state |= flags[kid]
@@ -137,24 +122,26 @@ def _analyze(
     for node, kids in children.items():
         if not flags[node] & _REACHES_INPUT:
             continue
-        weight_edges = []
-        others = []
-        for index, (kid, input_nr) in enumerate(kids):
-            if kid is None:
-                continue
-            if flags[kid] == _REACHES_PARAM:
-                weight_edges.append(WeightEdge(index, kid, input_nr))
-            else:
-                others.append(kid)
+        weight_edges = [
+            WeightEdge(index, kid, input_nr)
+            for index, (kid, input_nr) in enumerate(kids)
+            if kid is not None and flags[kid] == _REACHES_PARAM
+        ]
         if weight_edges:
-            intermediates.append(Intermediate(node, tuple(weight_edges), tuple(others)))
+            intermediates.append(Intermediate(node, tuple(weight_edges)))
 
+    weight_nodes = tuple(
+        node for node in reversed(flags) if flags[node] == _REACHES_PARAM and node not in leaves
+    )
+    consumed = {kid for kids in children.values() for kid, _ in kids}
     weight_only = tuple(i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM)
     input_side = tuple(i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT)
     return StageGraph(
         intermediates=tuple(intermediates),
+        weight_nodes=weight_nodes,
+        leaves=leaves,
         weight_only_outputs=weight_only,
         input_side_outputs=input_side,
-        reached_params=reached,
+        consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
         num_nodes=len(flags),
     )

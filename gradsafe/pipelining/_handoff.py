@@ -1,52 +1,66 @@
-"""The B->W hand-off: what B recorded for W, with an explicit single-use lifecycle."""
+"""The B->W hand-off: what B recorded for W, with an explicit single-use lifecycle; it runs W."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from collections.abc import Sequence
-from typing import NoReturn
+import weakref
+from collections.abc import Iterator, Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import Node
 
-from gradsafe.pipelining._graph import Intermediate
+from gradsafe.pipelining._weight_pass import Recorded, deliver, leaf_grads
 
-__all__ = ["HandoffState", "SplitBackwardError", "WeightGradHandoff"]
+__all__ = [
+    "HandoffState",
+    "SplitBackwardError",
+    "WeightGradHandoff",
+    "describe",
+    "detach_output",
+    "detached_by_split",
+]
+
+# Stage outputs a split backward detached, by id (tensors compare elementwise,
+# so no WeakSet): a later B on one of them is B run twice for a microbatch.
+_DETACHED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def detach_output(tensor: torch.Tensor) -> None:
+    """Detach a stage output in place, remembering that B already ran from it."""
+    tensor.detach_()
+    _DETACHED[id(tensor)] = tensor
+
+
+def detached_by_split(tensor: torch.Tensor) -> bool:
+    """Whether B or W detached ``tensor`` (a stage output of a microbatch already backwarded)."""
+    return _DETACHED.get(id(tensor)) is tensor
 
 
 class SplitBackwardError(RuntimeError):
     """A split backward was used in a way that cannot give a fused backward's gradients.
 
-    Raised before any gradient is changed.
+    Raised before any gradient is changed and before any hook runs: gradsafe
+    checks everything it can (argument types, B run twice, a hand-off used twice
+    or with another stage's parameters, saved tensors already freed) before W's
+    single delivery step. The one failure that can come after some gradients
+    were accumulated is a user hook's own exception, which propagates as is.
     """
 
 
 class HandoffState(enum.Enum):
     """Where a :class:`WeightGradHandoff` is in its life."""
 
-    #: Made by ``stage_backward_input``; ``stage_backward_weight`` may consume it once.
+    #: Made by ``stage_backward_input``; W may consume it once.
     PENDING = "pending"
-    #: ``stage_backward_weight`` delivered its gradients; everything it held is released.
+    #: W delivered its gradients; everything it held is released.
     CONSUMED = "consumed"
-    #: ``stage_backward_weight`` failed on it; everything it held is released.
+    #: W raised on it (whatever the exception); everything it held is released.
     FAILED = "failed"
 
 
-@dataclasses.dataclass(frozen=True)
-class CapturedIntermediate:
-    """An intermediate and the gradients that arrived at it during B (None: none arrived)."""
-
-    intermediate: Intermediate
-    grads: tuple[torch.Tensor | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputRoot:
-    """A stage output whose gradient edge is weight-only, and its output gradient."""
-
-    edge: GradientEdge
-    grad: torch.Tensor
+def describe(tensor: torch.Tensor) -> str:
+    kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "leaf tensor"
+    return f"{kind} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
 
 
 class WeightGradHandoff:
@@ -54,35 +68,43 @@ class WeightGradHandoff:
 
     It takes the place of torch's ``param_groups`` list in a pipeline stage's
     ``backward_state``: the schedule stores it after B and passes it back to W.
-    It is single-use: W consumes it (state ``CONSUMED``) and drops every node,
-    gradient and tensor it held, so the microbatch's graph can be freed. Using it
-    again, or with parameters that lack some of B's (another stage's), raises
-    :class:`SplitBackwardError` without touching any gradient.
+    It is opaque (not a list; iterating it raises) and single-use: :meth:`run`
+    consumes it (state ``CONSUMED``), or any exception leaves it ``FAILED``;
+    either way it drops every node, gradient and tensor it held.
     """
 
     def __init__(
         self,
         *,
-        captured: Sequence[CapturedIntermediate],
-        output_roots: Sequence[OutputRoot],
-        params: Sequence[torch.Tensor],
-        weight_ids: frozenset[int],
-        owners: Sequence[Node],
+        recorded: Sequence[Recorded],
+        output_roots: Sequence[tuple[Node, int, torch.Tensor]],
+        weight_nodes: Sequence[Node],
+        leaf_nodes: Sequence[Node],
+        leaves: Sequence[torch.Tensor],
+        owners: Sequence[tuple[torch.Tensor, ...]],
+        outputs: Sequence[torch.Tensor],
+        keep_alive: Sequence[torch.Tensor],
         num_nodes: int,
     ) -> None:
-        self._captured: tuple[CapturedIntermediate, ...] = tuple(captured)
-        self._output_roots: tuple[OutputRoot, ...] = tuple(output_roots)
-        self._params: tuple[torch.Tensor, ...] = tuple(params)
-        self._weight_ids = weight_ids
-        # Nodes that own custom-Function nodes W still needs (their Python
-        # objects do not keep the C++ graph alive once the outputs are detached).
-        self._owners: tuple[Node, ...] = tuple(owners)
+        self._recorded: tuple[Recorded, ...] = tuple(recorded)
+        self._output_roots = tuple(output_roots)
+        self._weight_nodes = tuple(weight_nodes)
+        self._leaf_nodes = tuple(leaf_nodes)
+        self._leaves = tuple(leaves)
+        # Per leaf, the tensors a caller may name it by: the leaf itself and,
+        # for an FSDP2 parameter, its sharded/unsharded counterpart.
+        self._owners = tuple(owners)
+        # Stage outputs another node consumes: detached after W, not in B.
+        self._outputs = tuple(outputs)
+        # Views of the outputs, made while they had a graph: their C++ nodes own
+        # custom-Function nodes W calls even if the outputs are detached first.
+        self._keep_alive = tuple(keep_alive)
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
         self.num_nodes = num_nodes
         #: Input-dependent nodes whose weight-side gradients W computes.
-        self.num_intermediates = len(self._captured)
+        self.num_intermediates = len(self._recorded)
 
     @property
     def state(self) -> HandoffState:
@@ -95,20 +117,87 @@ class WeightGradHandoff:
             f"nodes={self.num_nodes})"
         )
 
-    def __iter__(self) -> NoReturn:
-        # torch's stage_backward_weight iterates its param_groups first, before
-        # touching any gradient: reached when B ran patched and W did not.
+    def __iter__(self) -> Iterator[object]:
+        # torch's own stage_backward_weight iterates its param_groups list.
         raise SplitBackwardError(
-            "torch's stage_backward_weight got gradsafe's hand-off: stage_backward_input ran "
-            "under gradsafe.patch('pipelining') and stage_backward_weight after the patch was "
-            "released. Keep the patch active from B through W (patch at start-up, or around the "
-            "whole schedule step); no gradient was changed."
+            "a gradsafe WeightGradHandoff reached code that expects torch's param_groups list: "
+            "B ran under gradsafe.patch('pipelining') and W ran with torch's own "
+            "stage_backward_weight (the patch was released between B and W), or code inspects "
+            "the hand-off. Keep the patch applied until the schedule's step() returns (put the "
+            "whole training loop inside the with block); the hand-off is opaque, use "
+            "gradsafe.pipelining.stage_backward_weight to consume it."
         )
 
-    # -- used by stage_backward_weight -------------------------------------------------
+    def run(self, weights: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+        """W: accumulate this microbatch's weight gradients into the parameters, once.
 
-    def _claim(self, weights: Sequence[torch.Tensor]) -> None:
-        """Check that W may run now with ``weights``; raise before anything changes."""
+        ``weights`` must include the parameters given to B (or their FSDP2
+        counterparts). Every error gradsafe can detect is raised as
+        :class:`SplitBackwardError` before any gradient changes or hook runs;
+        any exception leaves the hand-off ``FAILED``. With ``retain_graph=False``
+        the stage outputs B left attached (those another node consumes) are
+        detached in place afterwards, so nothing keeps the microbatch's graph alive.
+        """
+        if not isinstance(retain_graph, bool):
+            self._check_usable()
+            error = SplitBackwardError(
+                f"retain_graph must be a bool, got {type(retain_graph).__name__}; W's third "
+                "positional argument is retain_graph, not another hand-off."
+            )
+            self._finish(HandoffState.FAILED, str(error))
+            raise error
+        grads = self._compute(weights)
+        try:
+            deliver(self._leaves, grads)
+        except BaseException as exc:
+            self._finish(HandoffState.FAILED, f"delivery raised {type(exc).__name__}: {exc}")
+            raise
+        if not retain_graph:
+            for out in self._outputs:
+                detach_output(out)
+        self._finish(HandoffState.CONSUMED)
+
+    def weight_grads(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """W without delivery: the gradient each of ``weights`` gets from this microbatch.
+
+        For callers that deliver gradients themselves (graphed split stages
+        copy them into static buffers). The values are exactly those
+        :meth:`run` would accumulate; None for a weight this microbatch gives no
+        gradient. Consumes the hand-off like :meth:`run`, with the same errors,
+        and detaches nothing.
+        """
+        grads = self._compute(weights)
+        by_owner: dict[int, torch.Tensor | None] = {}
+        for owners, grad in zip(self._owners, grads):
+            for owner in owners:
+                by_owner[id(owner)] = grad
+        self._finish(HandoffState.CONSUMED)
+        return tuple(by_owner.get(id(w)) for w in weights)
+
+    def _compute(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Every leaf's gradient, computed before anything changes; any error leaves FAILED."""
+        self._check_usable()
+        try:
+            self._check_weights(weights)
+            try:
+                # W takes the recorded nodes over and drops each once used.
+                recorded, self._recorded = list(self._recorded), ()
+                weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
+                return leaf_grads(recorded, self._output_roots, weight_nodes, self._leaf_nodes)
+            except Exception as exc:
+                raise SplitBackwardError(
+                    "the weight pass failed while computing gradients, before changing any "
+                    f"gradient or running any hook ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). If another "
+                    "backward ran through this microbatch's graph between B and W without "
+                    "retain_graph=True, the saved tensors W needs are gone: redo the "
+                    "microbatch's forward and backward."
+                ) from exc
+        except BaseException as exc:
+            self._finish(HandoffState.FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _check_usable(self) -> None:
         if self._state is HandoffState.CONSUMED:
             raise SplitBackwardError(
                 "stage_backward_weight was called twice with the same hand-off: its weight "
@@ -120,19 +209,31 @@ class WeightGradHandoff:
                 f"this hand-off's weight pass already failed ({self._failure}); it holds nothing "
                 "any more. Redo the microbatch's forward and backward."
             )
+
+    def _check_weights(self, weights: Sequence[torch.Tensor]) -> None:
         given = {id(w) for w in weights}
-        if not self._weight_ids <= given:
+        missing = [
+            leaf
+            for leaf, owners in zip(self._leaves, self._owners)
+            if not any(id(o) in given for o in owners)
+        ]
+        if missing:
             raise SplitBackwardError(
-                "stage_backward_weight got a hand-off made by stage_backward_input for another "
-                f"set of parameters ({len(self._weight_ids)} given to B, "
-                f"{len(self._weight_ids - given)} of them missing now): pass the hand-off back "
-                "to the stage whose backward made it, with (at least) the same parameters."
+                f"stage_backward_weight's weights lack {len(missing)} of the {len(self._leaves)} "
+                f"parameters this hand-off's graph accumulates into (first: {describe(missing[0])}): "
+                "pass the hand-off back to the stage whose backward made it, with (at least) the "
+                "same parameters."
             )
 
     def _finish(self, state: HandoffState, failure: str | None = None) -> None:
         self._state = state
-        self._failure = failure
-        self._captured = ()
+        self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
+        self._recorded = ()
         self._output_roots = ()
-        self._params = ()
+        self._weight_nodes = ()
+        self._leaf_nodes = ()
+        self._leaves = ()
         self._owners = ()
+        self._outputs = ()
+        self._keep_alive = ()
+

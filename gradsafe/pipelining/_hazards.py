@@ -1,46 +1,94 @@
-"""Doctor rows for ``pipelining``: tiny fp64 graphs run through the installed B/W split.
+"""H1's reproductions, written once: the doctor's rows, the tests and the benchmarks use them.
 
-Each repro looks the functions up in ``torch.distributed.pipelining._backward``
-at call time, so the same code measures torch's split and, under
-``gradsafe.patch("pipelining")``, gradsafe's.
+Each reproduction looks the split functions up in
+``torch.distributed.pipelining._backward`` at call time, so the same code
+measures torch's split and, under ``gradsafe.patch("pipelining")``, gradsafe's.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from gradsafe.doctor import Check, Outcome, patched_check
 
-__all__ = ["CHECKS"]
+__all__ = [
+    "CHECKS",
+    "ParamOnlyOutput",
+    "ReusedAroundOther",
+    "ReusedLinear",
+    "as_outputs",
+    "compare_with_fused",
+    "hooks_fire_once_in_w",
+    "split_backward",
+]
 
 
-def _split(
-    module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], Sequence[torch.Tensor]]
-) -> None:
+class ReusedLinear(nn.Module):
+    """Nested shared weight: one Linear applied ``uses`` times, ``tanh`` between uses."""
+
+    def __init__(self, dim: int = 4, uses: int = 2, bias: bool = False) -> None:
+        super().__init__()
+        self.uses = uses
+        self.lin = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.uses):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class ParamOnlyOutput(nn.Module):
+    """A parameter reaching an output with no input-dependent node (a learned prefix)."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, bias=False)
+        self.prefix = nn.Parameter(torch.randn(2, dim))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.lin(x), torch.tanh(self.prefix)]
+
+
+class ReusedAroundOther(nn.Module):
+    """Overlapping parameter groups: one Linear applied at two sites with another Linear between."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.outer = nn.Linear(dim, dim)
+        self.inner = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.outer(torch.tanh(self.inner(self.outer(x)))))
+
+
+def as_outputs(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A stage's return value as the list of outputs the split functions take."""
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def split_backward(module: nn.Module, x: torch.Tensor) -> None:
+    """Forward ``module`` on ``x``, then B and W with whatever split the installed torch has."""
     backward = importlib.import_module("torch.distributed.pipelining._backward")
-    outputs = list(forward(x))
+    outputs = as_outputs(module(x))
     grads = [torch.ones_like(o) for o in outputs]
     _, handoff = backward.stage_backward_input(outputs, grads, [x], module.parameters())
     backward.stage_backward_weight(module.parameters(), handoff)
 
 
-def _compare(
-    build: Callable[[], nn.Module], forward: Callable[[Any, torch.Tensor], Sequence[torch.Tensor]]
-) -> Outcome:
+def compare_with_fused(build: Callable[[], nn.Module]) -> Outcome:
+    """``build``'s split gradients against one fused backward, fp64."""
     torch.manual_seed(0)
     module = build().double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    outputs = forward(module, x)
-    torch.autograd.backward(list(outputs), [torch.ones_like(o) for o in outputs])
+    outputs = as_outputs(module(x))
+    torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
     reference = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     module.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    _split(module, x, lambda t: forward(module, t))
+    split_backward(module, x.detach().requires_grad_())
     worst = 0.0
     for name, param in module.named_parameters():
         if name not in reference:
@@ -53,46 +101,14 @@ def _compare(
     return Outcome(True, "grads equal a fused backward")
 
 
-class _Nested(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 4))
-
-
-class _Prefix(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4, bias=False)
-        self.prefix = nn.Parameter(torch.randn(2, 4))
-
-
-class _Sandwich(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.outer = nn.Linear(4, 4)
-        self.inner = nn.Linear(4, 4)
-
-
-def _nested() -> Outcome:
-    return _compare(_Nested, lambda m, x: [x @ m.w @ m.w])
-
-
-def _param_only() -> Outcome:
-    return _compare(_Prefix, lambda m, x: [m.lin(x), torch.tanh(m.prefix)])
-
-
-def _overlapping() -> Outcome:
-    return _compare(_Sandwich, lambda m, x: [m.outer(torch.tanh(m.inner(m.outer(x))))])
-
-
-def _hooks() -> Outcome:
+def hooks_fire_once_in_w() -> Outcome:
+    """Post-accumulate-grad hooks fire once per parameter (torch's W assigns ``.grad`` instead)."""
     torch.manual_seed(0)
-    module = _Sandwich().double()
+    module = ReusedAroundOther().double()
     fired: list[str] = []
     for name, param in module.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
-    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    _split(module, x, lambda t: [module.inner(module.outer(t))])
+    split_backward(module, torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
     expected = sorted(n for n, _ in module.named_parameters())
     if sorted(fired) == expected:
         return Outcome(True, "post-accumulate hooks fired once per parameter in W")
@@ -102,9 +118,9 @@ def _hooks() -> Outcome:
 CHECKS: tuple[Check, ...] = tuple(
     patched_check(hazard, "pipelining", "pipelining", repro)
     for hazard, repro in (
-        ("H1 nested shared weight", _nested),
-        ("H1 parameter-only output", _param_only),
-        ("H1 overlapping groups", _overlapping),
-        ("H1 hooks in W", _hooks),
+        ("H1 nested shared weight", lambda: compare_with_fused(ReusedLinear)),
+        ("H1 parameter-only output", lambda: compare_with_fused(ParamOnlyOutput)),
+        ("H1 overlapping groups", lambda: compare_with_fused(ReusedAroundOther)),
+        ("H1 hooks in W", hooks_fire_once_in_w),
     )
 )

@@ -10,6 +10,10 @@ torch and turns a mismatch into a skip with the reason: the autograd features
 gradsafe's W relies on, and how ``stage.py`` calls the three functions (names
 imported, arguments passed), so that a changed call site is reported instead
 of silently receiving gradsafe's functions with other arguments.
+
+Where ``PipelineStage`` infers output metadata with a forward of its module
+(torch 2.13+), that method is wrapped to run a DDP module's forward under
+``no_sync``: see :func:`gradsafe.pipelining._stage.inference_without_ddp_prepare`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-from torch.autograd.graph import GradientEdge
-
 from gradsafe.patching import AttrTarget, Skip, Target
-from gradsafe.pipelining import _backward
+from gradsafe.pipelining import _backward, _stage, _torch
 
 __all__ = ["plan"]
 
@@ -35,28 +36,9 @@ _OURS: dict[str, Callable[..., Any]] = {
     "stage_backward_weight": _backward.stage_backward_weight,
     "stage_backward": _backward.stage_backward,
 }
+_METADATA_INFERENCE = "_forward_metadata_inference"
 # The stage must call these (zero-bubble schedules go through them).
 _REQUIRED_CALLS = ("stage_backward_input", "stage_backward_weight")
-
-
-def _missing_autograd_feature() -> str | None:
-    """The autograd feature gradsafe's W needs and the installed torch lacks, if any."""
-    x = torch.ones(2, device="cpu", requires_grad=True)
-    w = torch.ones(2, device="cpu", requires_grad=True)
-    node = (x * w).grad_fn
-    if node is None:
-        return "a product of tensors requiring grad has no grad_fn (grad mode off?)"
-    if not hasattr(node, "_input_metadata"):
-        return "autograd nodes have no _input_metadata"
-    try:
-        node(torch.ones(2, device="cpu"))  # type: ignore[operator]  # W calls built-in nodes directly
-    except TypeError as exc:
-        return f"built-in autograd nodes cannot be called directly ({exc})"
-    try:
-        torch.autograd.backward([GradientEdge(node, 0)], [torch.ones(2, device="cpu")], inputs=[w])
-    except (TypeError, RuntimeError) as exc:
-        return f"torch.autograd.backward does not take GradientEdge roots with inputs= ({exc})"
-    return None
 
 
 def _call_site_mismatch(stage: Any, backward: Any) -> str | None:
@@ -104,11 +86,24 @@ def plan() -> Sequence[Target] | Skip:
     import torch.distributed.pipelining._backward as backward
     import torch.distributed.pipelining.stage as stage
 
-    mismatch = _missing_autograd_feature() or _call_site_mismatch(stage, backward)
+    mismatch = _torch.missing_feature() or _call_site_mismatch(stage, backward)
     if mismatch is not None:
         return Skip(mismatch)
-    return [
+    targets: list[Target] = [
         AttrTarget(module, name, replacement)
         for module in (_DEFINED_IN, _CALLED_FROM)
         for name, replacement in _OURS.items()
     ]
+    # torch 2.13+ infers a stage's output metadata with a forward of its module;
+    # for a DDP module that forward, outside no_sync, leaves the reducer
+    # prepared, and gradsafe's W (which fires DDP's hooks) then fails.
+    inference = vars(stage.PipelineStage).get(_METADATA_INFERENCE)
+    if inference is not None:
+        targets.append(
+            AttrTarget(
+                _CALLED_FROM,
+                f"PipelineStage.{_METADATA_INFERENCE}",
+                _stage.inference_without_ddp_prepare(inference),
+            )
+        )
+    return targets

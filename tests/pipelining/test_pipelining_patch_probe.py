@@ -89,3 +89,18 @@ def test_unreadable_source_is_a_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_patch.inspect, "getsource", no_source)
     mismatch = _patch._call_site_mismatch(_stage(_CALLS), torch_backward)
     assert mismatch is not None and "cannot read" in mismatch
+
+
+def test_direct_call_on_a_torch_lacking_a_feature_refuses_before_any_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from gradsafe.pipelining import SplitBackwardError, _backward, stage_backward_input
+
+    monkeypatch.setattr(_backward, "_missing_feature", lambda: "autograd nodes have no _input_metadata")
+    w = torch.ones(2, requires_grad=True)
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(SplitBackwardError, match=re.escape(f"torch {torch.__version__}: autograd nodes")):
+        stage_backward_input([x * w], [torch.ones(2)], [x], [w])
+    assert x.grad is None and w.grad is None

@@ -1,12 +1,16 @@
 """End to end: real zero-bubble schedules on 2 gloo ranks, with and without gradsafe.
 
 ScheduleZBVZeroBubble (stages 0,3 | 1,2) and ScheduleInterleavedZeroBubble
-(stages 0,2 | 1,3), 4 microbatches, both split each backward into B and W.
+(stages 0,2 | 1,3), 4 microbatches, 3 SGD steps, both split each backward into
+B and W; stages plain, DDP-wrapped, or FSDP2-wrapped (reshard_after_forward
+True, or False with a MixedPrecisionPolicy).
 
 Every stage reuses one nn.Linear at two nested sites with another Linear between
-them: torch's split double counts (<=2.12) or crashes ("backward through the
-graph a second time", 2.13); gradsafe gives the single-process gradients and
-fires each parameter's post-accumulate hook once per microbatch.
+them and ties its weight as a head: torch's split double counts (<=2.12),
+crashes ("backward through the graph a second time", 2.13) or, under FSDP2,
+misses parameters; gradsafe gives the single-process parameters, fires each
+parameter's post-accumulate hook once per microbatch, and leaves no microbatch
+graph alive after the step (returned losses included).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.pipelining import stage as stage_module
+
+import gradsafe
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,30 +40,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(mode: str, kind: str, tmp_path: Path) -> list[dict[str, object]]:
+def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, object]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     port = str(_free_port())
+    ranks = 2 * worker.data_parallel(wrapper)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "_pipelining_zbv_worker.py"), str(r), port, mode, kind, str(tmp_path)],
+            [sys.executable, str(HERE / "_pipelining_zbv_worker.py"), str(r), port, mode, kind, wrapper, str(tmp_path)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for r in range(2)
+        for r in range(ranks)
     ]
     logs = []
     for proc in procs:
         try:
-            logs.append(proc.communicate(timeout=180)[0].decode(errors="replace"))
+            logs.append(proc.communicate(timeout=120)[0].decode(errors="replace"))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail(f"{mode} run did not finish in 180 s")
+            pytest.fail(f"{mode} {kind} {wrapper} run did not finish in 120 s")
     results = []
-    for r in range(2):
+    for r in range(ranks):
         path = tmp_path / f"rank{r}.pt"
         assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
         results.append(torch.load(path, weights_only=False))
@@ -67,44 +75,78 @@ def _run(mode: str, kind: str, tmp_path: Path) -> list[dict[str, object]]:
     return results
 
 
-SCHEDULES = pytest.mark.parametrize("kind", ["ZBV", "InterleavedZB"])
+def _ddp_left_prepared() -> bool:
+    """Whether torch's metadata inference runs DDP forwards outside no_sync, unfixed by the patch.
+
+    It leaves DDP's reducer prepared: the first W that fires hooks (gradsafe's
+    does, as a fused backward would) all-reduces a partial gradient and the next
+    step fails in DDP ("rebuilt parameter indices"). gradsafe.pipelining._stage
+    has the fix; the patch installs it on PipelineStage._forward_metadata_inference.
+    """
+    inference = getattr(stage_module.PipelineStage, "_forward_metadata_inference", None)
+    if inference is None:
+        return False
+    with gradsafe.patch("pipelining"):
+        inference = stage_module.PipelineStage._forward_metadata_inference
+    return getattr(inference, "__wrapped__", None) is None
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    modules = worker.build_stages()
-    x, y = worker.batch()
-    for xm, ym in zip(x.chunk(worker.MICROBATCHES), y.chunk(worker.MICROBATCHES)):
-        h = xm
-        for m in modules:
-            h = m(h)
-        # The schedule averages over microbatches (scale_grads=True).
-        (worker.loss_fn(h, ym) / worker.MICROBATCHES).backward()
-    return {f"{i}.{n}": p.grad for i, m in enumerate(modules) for n, p in m.named_parameters()}
+_DDP_LEFT_PREPARED = pytest.mark.xfail(
+    _ddp_left_prepared(),
+    reason="torch's metadata inference leaves a DDP stage's reducer prepared (fix not installed)",
+    strict=True,
+)
 
 
-@SCHEDULES
-def test_schedule_with_gradsafe_equals_single_process(kind: str, tmp_path: Path) -> None:
-    results = _run("gradsafe", kind, tmp_path)
+def _check_exact(results: list[dict[str, object]], wrapper: str) -> None:
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}: {res['crash']}"
-    want = _reference()
-    got = {k: v for res in results for k, v in res["grads"].items()}  # type: ignore[union-attr]
+    want = worker.reference(worker.data_parallel(wrapper))
+    got = {k: v for res in results for k, v in res["params"].items()}  # type: ignore[union-attr]
     assert set(got) == set(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-9, rtol=1e-9, msg=key)
-    hooks = {k: v for res in results for k, v in res["hooks"].items()}  # type: ignore[union-attr]
-    assert hooks == {k: worker.MICROBATCHES for k in want}, hooks
+    # FSDP2 with param_dtype=float32 computes in fp32 against an fp64 reference.
+    tol = 1e-5 if wrapper == "fsdp_mp" else 1e-9
+    for r, res in enumerate(results):  # every data-parallel replica holds the same parameters
+        for key, value in res["params"].items():  # type: ignore[union-attr]
+            torch.testing.assert_close(value, want[key], atol=tol, rtol=tol, msg=f"rank {r}: {key}")
+    for res in results:
+        assert res["alive_activations"] == 0, "a microbatch's activation outlived step()"
+        assert res["losses_with_graph"] == 0, "a returned loss still holds its graph"
+    if wrapper in ("none", "ddp"):  # FSDP2 replaces the parameters that carry the hooks
+        hooks = {k: v for res in results for k, v in res["hooks"].items()}  # type: ignore[union-attr]
+        assert hooks == {k: worker.STEPS * worker.MICROBATCHES for k in want}, hooks
+    if wrapper == "ddp":  # one all-reduce per stage per step (one bucket), after the last W
+        assert all(res["allreduces"] == [worker.STEPS] * 2 for res in results)
 
 
-@SCHEDULES
-def test_schedule_without_gradsafe_shows_the_upstream_failure(kind: str, tmp_path: Path) -> None:
-    results = _run("upstream", kind, tmp_path)
-    crashes = [res["crash"] for res in results if "crash" in res]
-    if crashes:
+@pytest.mark.parametrize(
+    "kind, wrapper",
+    [
+        ("ZBV", "none"),
+        ("InterleavedZB", "none"),
+        ("ZBV", "fsdp"),
+        ("InterleavedZB", "fsdp"),
+        ("InterleavedZB", "fsdp_mp"),
+        ("InterleavedZB", "fsdp_dp2"),
+        pytest.param("InterleavedZB", "ddp", marks=_DDP_LEFT_PREPARED),
+    ],
+)
+def test_schedule_with_gradsafe_equals_single_process(kind: str, wrapper: str, tmp_path: Path) -> None:
+    _check_exact(_run("gradsafe", kind, wrapper, tmp_path), wrapper)
+
+
+@pytest.mark.parametrize(
+    "kind, wrapper", [("ZBV", "none"), ("InterleavedZB", "none"), ("InterleavedZB", "fsdp")]
+)
+def test_schedule_without_gradsafe_shows_the_upstream_failure(
+    kind: str, wrapper: str, tmp_path: Path
+) -> None:
+    results = _run("upstream", kind, wrapper, tmp_path)
+    if any("crash" in res for res in results):
         return  # e.g. torch 2.13: "Trying to backward through the graph a second time"
-    want = _reference()
-    got = {k: v for res in results for k, v in res["grads"].items()}  # type: ignore[union-attr]
+    want = worker.reference()
+    got = {k: v for res in results for k, v in res["params"].items()}  # type: ignore[union-attr]
     wrong = [k for k in want if not torch.allclose(got[k], want[k], atol=1e-9, rtol=1e-9)]
     hooks = {k: v for res in results for k, v in res["hooks"].items()}  # type: ignore[union-attr]
-    missed_hooks = [k for k, v in hooks.items() if v != worker.MICROBATCHES]
-    assert wrong or missed_hooks, "torch's own split gave the right grads and hooks here"
+    missed_hooks = [k for k, v in hooks.items() if v != worker.STEPS * worker.MICROBATCHES]
+    assert wrong or missed_hooks, "torch's own split gave the right parameters and hooks here"

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsafe.pipelining import _hazards as hazards
+
 
 def x_(*shape: int, grad: bool = True) -> torch.Tensor:
     return torch.randn(*shape, requires_grad=grad)
@@ -105,21 +107,20 @@ def _recurrence():  # type: ignore[no-untyped-def]
 
 def _reused_linear(bias: bool, times: int):  # type: ignore[no-untyped-def]
     def make():  # type: ignore[no-untyped-def]
-        m = nn.Linear(4, 4, bias=bias)
-
-        def fwd(x):  # type: ignore[no-untyped-def]
-            for _ in range(times):
-                x = torch.tanh(m(x))
-            return [x]
-
-        return m, [x_(2, 3, 4)], fwd
+        m = hazards.ReusedLinear(4, times, bias)
+        return m, [x_(2, 3, 4)], lambda x: [m(x)]
 
     return make
 
 
 def _sandwich():  # type: ignore[no-untyped-def]
-    m = nn.ModuleDict({"outer": nn.Linear(4, 4), "inner": nn.Linear(4, 4)})
-    return m, [x_(3, 4)], lambda x: [m["outer"](torch.relu(m["inner"](m["outer"](x))))]
+    m = hazards.ReusedAroundOther()
+    return m, [x_(3, 4)], lambda x: [m(x)]
+
+
+def _hazard_param_only():  # type: ignore[no-untyped-def]
+    m = hazards.ParamOnlyOutput()
+    return m, [x_(3, 4)], m
 
 
 def _lstm():  # type: ignore[no-untyped-def]
@@ -413,6 +414,7 @@ CASES = [
     case("GRU out and h_n", _gru),
     case("LayerNorm reused", _layernorm_reused),
     case("parameter-only outputs", _param_only_outputs),
+    case("parameter-only output (doctor's)", _hazard_param_only),
     case("regularizer in loss", _regularized_loss, loss=True),
     case("learned prefix", _learned_prefix),
     case("tied embedding and head, LayerNorm between", _tied_embedding),

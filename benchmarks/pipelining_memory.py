@@ -1,0 +1,231 @@
+"""Memory a split backward holds: gradsafe vs torch's split vs one fused backward, side by side.
+
+Run: PYTHONPATH=. python benchmarks/pipelining_memory.py [--layers 8 --dim 2048 --batch 512 --microbatches 2]
+     PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
+
+1. One last pipeline stage (``layers`` x Linear(dim)+tanh, then an MSE loss),
+driven the way torch's stage drives it: B for each microbatch (the stage
+output is detached in place after B, as ``stage.py`` does on the last stage),
+then W for each, while the losses stay referenced (the schedule keeps them in
+``_internal_losses`` and returns them from ``step()``). Bytes are those of
+every tensor storage created from the first forward on (activations, saved
+tensors, recorded gradients, parameter gradients) that is still alive,
+counted by a dispatch mode; "peak" is the maximum after any operator.
+Parameters and inputs, identical for all three, are not counted.
+
+2. ``--zbv``: one ``ScheduleZBVZeroBubble`` step on 2 gloo ranks (4 stages of
+``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
+right after any B, right after the last W, after ``step()`` (losses kept), and
+peak. "fused" runs each microbatch's whole backward in B and nothing in W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import _backward as torch_split
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+
+MiB = 1 << 20
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks every storage an operator creates; reports the live total and its peak."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        # Storages of parameters and inputs: views of them are not new memory.
+        self.existing = {t.untyped_storage()._cdata for t in existing}
+        self.peak = 0
+
+    def live(self) -> int:
+        self.storages = {k: v for k, v in self.storages.items() if not v[0].expired()}
+        return sum(n for _, n in self.storages.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.storages and key not in self.existing:
+                    self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def run(impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> dict[str, float]:
+    model.zero_grad(set_to_none=True)
+    points: dict[str, float] = {}
+    with LiveBytes([*model.parameters(), *xs, *ys]) as mode:
+        losses, outs, handoffs = [], [], []
+        for x, y in zip(xs, ys):
+            out = model(x)
+            loss = (out - y).pow(2).mean()
+            losses.append(loss)
+            outs.append(out)
+        for x, loss, out in zip(xs, losses, outs):
+            if impl == "fused":
+                loss.backward()
+            else:
+                split = stage_backward_input if impl == "gradsafe" else torch_split.stage_backward_input
+                _, handoff = split([loss], None, [x], model.parameters())
+                handoffs.append(handoff)
+            out.detach_()  # stage.py, last stage, after B
+        points["between B and W"] = mode.live()
+        for handoff in handoffs:
+            weight = stage_backward_weight if impl == "gradsafe" else torch_split.stage_backward_weight
+            weight(model.parameters(), handoff)
+        handoffs.clear()  # the schedule pops its backward_state entry at W
+        gc.collect()
+        points["after W"] = mode.live()
+        del outs
+        gc.collect()
+        points["after step (losses kept)"] = mode.live()
+        points["peak"] = mode.peak
+    return {k: v / MiB for k, v in points.items()}
+
+
+def _zbv_rank(rank: int, port: int, impl: str, args: Any, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining import stage as stage_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    b, w = {
+        "gradsafe": (stage_backward_input, stage_backward_weight),
+        "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
+        "fused": (_fused_b, lambda weights, handoff, retain_graph=False: ()),
+    }[impl]
+    torch.manual_seed(0)
+    per_stage = max(1, args.layers // 4)
+    stages_all = [
+        nn.Sequential(*(m for _ in range(per_stage) for m in (nn.Linear(args.dim, args.dim), nn.Tanh())))
+        for _ in range(4)
+    ]
+    indices = [rank, 3 - rank]
+    stages = [PipelineStage(stages_all[i], i, 4, torch.device("cpu")) for i in indices]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=_mse)
+    x = torch.randn(args.batch * args.microbatches, args.dim)
+    y = torch.randn(args.batch * args.microbatches, args.dim)
+    existing = [p for i in indices for p in stages_all[i].parameters()] + [x, y]
+    points = {"after any B (max)": 0.0, "after the last W": 0.0}
+    with LiveBytes(existing) as mode:
+
+        def b_recorded(*a: Any) -> Any:
+            result = b(*a)
+            points["after any B (max)"] = max(points["after any B (max)"], mode.live())
+            return result
+
+        def w_recorded(*a: Any, **k: Any) -> Any:
+            result = w(*a, **k)
+            points["after the last W"] = mode.live()
+            return result
+
+        stage_module.stage_backward_input = b_recorded  # type: ignore[assignment]
+        stage_module.stage_backward_weight = w_recorded  # type: ignore[assignment]
+        losses: list[torch.Tensor] = []
+        schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()
+        gc.collect()
+        points["after step (losses kept)"] = mode.live()
+        points["peak"] = mode.peak
+    queue.put((rank, {k: v / MiB for k, v in points.items()}))
+    dist.destroy_process_group()
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).pow(2).mean()
+
+
+def _fused_b(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
+    torch.autograd.backward(outputs, grads)
+    dinputs = tuple(t.grad if isinstance(t, torch.Tensor) else None for t in inputs)
+    return dinputs, None
+
+
+def zbv(args: Any) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; "
+        f"ScheduleZBVZeroBubble, 2 gloo ranks, 4 stages of {max(1, args.layers // 4)} x "
+        f"(Linear({args.dim}) + tanh), {args.microbatches} microbatches of {args.batch}, MiB per rank"
+    )
+    ctx = mp.get_context("spawn")
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for impl in ("fused", "torch", "gradsafe"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_zbv_rank, args=(r, port, impl, args, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        got = dict(queue.get(timeout=600) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+        results[impl] = got
+    for rank in range(2):
+        print(f"rank {rank} (stages {rank} and {3 - rank})")
+        print(f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}")
+        for name in results["gradsafe"][rank]:
+            row = f"{name:<26}" + "".join(f"{results[i][rank][name]:12.1f}" for i in results)
+            if results["torch"][rank][name] > 0:
+                row += f"{results['gradsafe'][rank][name] / results['torch'][rank][name]:15.2f}x"
+            print(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zbv", action="store_true", help="a 2-rank ZBV step instead of one stage")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--microbatches", type=int, default=2)
+    args = parser.parse_args()
+    if args.zbv:
+        zbv(args)
+        return
+    torch.manual_seed(0)
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; "
+        f"{args.layers} x (Linear({args.dim}) + tanh), microbatch {args.batch}, "
+        f"{args.microbatches} microbatches, MiB of live storages created from the forward on"
+    )
+    model = nn.Sequential(*(m for _ in range(args.layers) for m in (nn.Linear(args.dim, args.dim), nn.Tanh())))
+    xs = [torch.randn(args.batch, args.dim, requires_grad=True) for _ in range(args.microbatches)]
+    ys = [torch.randn(args.batch, args.dim) for _ in range(args.microbatches)]
+    results: dict[str, dict[str, float]] = {}
+    for impl in ("fused", "torch", "gradsafe"):
+        try:
+            results[impl] = run(impl, model, xs, ys)
+        except RuntimeError as exc:
+            print(f"{impl}: crashed: {str(exc).splitlines()[0][:100]}")
+        for x in xs:
+            x.grad = None
+    names: list[str] = list(next(iter(results.values())))
+    header = f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}"
+    print(header)
+    for name in names:
+        row = f"{name:<26}" + "".join(f"{results[i][name]:12.1f}" for i in results)
+        if "torch" in results and "gradsafe" in results and results["torch"][name] > 0:
+            row += f"{results['gradsafe'][name] / results['torch'][name]:15.2f}x"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

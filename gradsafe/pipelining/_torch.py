@@ -1,0 +1,149 @@
+"""Every use of torch internals by gradsafe's split backward, in one place.
+
+Public autograd API (``Node.next_functions``, ``register_prehook``,
+``GradientEdge``, ``Node.metadata``) is used everywhere; what is private or
+undocumented lives here, so a torch release that changes it breaks one module
+and :func:`missing_feature` reports it before the patch is applied:
+
+- ``Node._input_metadata``: the shape/dtype/device each node input expects;
+- calling a built-in node directly (``node(*grads)``) and a custom
+  ``autograd.Function`` node's ``apply``: runs its backward formula without
+  the engine, so no hooks run and nothing flows into other nodes;
+- ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
+- ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
+- ``Tensor._is_view``: views cannot be detached in place;
+- FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
+  parameter): which parameter autograd saw for the sharded one a caller passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = [
+    "call_node",
+    "fsdp_counterparts",
+    "input_meta",
+    "is_python_node",
+    "is_view",
+    "leaf_variable",
+    "missing_feature",
+    "num_inputs",
+]
+
+
+def is_python_node(node: Node) -> bool:
+    """Whether ``node`` is a custom ``autograd.Function``'s node."""
+    return isinstance(node, torch._C._FunctionBase)
+
+
+def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torch.device]:
+    """Shape, dtype and device of the gradient ``node`` expects at input ``input_nr``."""
+    meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
+    return torch.Size(meta.shape), meta.dtype, meta.device
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view (those cannot be detached in place)."""
+    return bool(tensor._is_view())
+
+
+def num_inputs(node: Node) -> int:
+    """How many gradients ``node`` takes (one per output of its forward)."""
+    return len(node._input_metadata)  # type: ignore[attr-defined]
+
+
+def leaf_variable(node: Node) -> torch.Tensor | None:
+    """The leaf tensor an ``AccumulateGrad`` node accumulates into (None for other nodes)."""
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+    """Run ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
+    if not is_python_node(node):
+        result = node(*grads)  # type: ignore[operator]
+        # A node with one next edge returns a bare tensor (or None).
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    # The engine materializes missing gradients as zeros for a custom Function
+    # (unless it opted out; zeros are valid input either way).
+    full = [g if g is not None else _zeros(node, i) for i, g in enumerate(grads)]
+    result = node.apply(*full)  # type: ignore[attr-defined]
+    results = result if isinstance(result, tuple) else (result,)
+    needs: tuple[bool, ...] = tuple(node.needs_input_grad)  # type: ignore[attr-defined]
+    if len(results) != len(needs):
+        raise RuntimeError(
+            f"{node.name()}'s backward returned {len(results)} gradients for {len(needs)} forward "
+            "inputs."
+        )
+    # One next edge per tensor argument; those that require grad (valid edges)
+    # are exactly the arguments with needs_input_grad set, in order.
+    wanted = iter(r for r, need in zip(results, needs) if need)
+    return tuple(
+        next(wanted, None) if child is not None else None for child, _ in node.next_functions
+    )
+
+
+def _zeros(node: Node, input_nr: int) -> torch.Tensor:
+    shape, dtype, device = input_meta(node, input_nr)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def fsdp_counterparts() -> dict[int, torch.Tensor]:
+    """For every FSDP2-managed parameter: id(sharded) -> unsharded and id(unsharded) -> sharded.
+
+    FSDP2 swaps a module's parameters between a sharded DTensor and an unsharded
+    tensor; a graph recorded while one was installed holds it, while
+    ``module.parameters()`` may yield the other by the time B or W runs.
+    """
+    try:
+        from torch.distributed import _composable_state
+    except ImportError:
+        return {}
+    pairs: dict[int, torch.Tensor] = {}
+    for state_ref in list(_composable_state._module_state_mapping.values()):
+        state = state_ref()
+        # Newer FSDP2 keeps several parameter groups per module, older one.
+        groups: Any = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if isinstance(sharded, torch.Tensor) and isinstance(unsharded, torch.Tensor):
+                    pairs[id(sharded)] = unsharded
+                    pairs[id(unsharded)] = sharded
+    return pairs
+
+
+def missing_feature() -> str | None:
+    """The internal autograd feature the split backward needs and this torch lacks, if any.
+
+    Runs on tiny tensors with gradients enabled, whatever the caller's grad mode.
+    """
+    with torch.enable_grad(), torch.inference_mode(False):
+        x = torch.ones(2, device="cpu", requires_grad=True)
+        w = torch.ones(2, device="cpu", requires_grad=True)
+        node = (x * w).grad_fn
+        if node is None:
+            return "autograd records no graph here"
+        if not hasattr(node, "_input_metadata"):
+            return "autograd nodes have no _input_metadata"
+        try:
+            call_node(node, (torch.ones(2, device="cpu"),))
+        except TypeError as exc:
+            return f"built-in autograd nodes cannot be called directly ({exc})"
+        accumulator = node.next_functions[1][0]
+        if accumulator is None or leaf_variable(accumulator) is not w:
+            return "AccumulateGrad nodes do not expose their variable"
+        try:
+            torch.autograd.grad([GradientEdge(node, 0)], [w], [torch.ones(2, device="cpu")])  # type: ignore[list-item]
+        except (TypeError, RuntimeError) as exc:
+            return f"torch.autograd.grad does not take GradientEdge roots ({exc})"
+    return None

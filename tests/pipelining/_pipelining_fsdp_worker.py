@@ -1,0 +1,57 @@
+"""One gloo rank: B and W on an FSDP2 module whose parameters are swapped between them.
+
+Run by test_pipelining_fsdp.py. argv: port outfile. Writes a dict of findings.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def main() -> None:
+    port, outfile = sys.argv[1:3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=True)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(reference(x).sum(), list(reference.parameters()))
+    found: dict[str, Any] = {}
+
+    out = model(x)
+    found["B sees"] = type(next(model.parameters())).__name__  # resharded after the forward
+    g = torch.ones(3, 4, dtype=torch.float64)
+    _, handoff = stage_backward_input([out], [g], [x], model.parameters())
+    model.unshard()  # W is handed the unsharded parameters this time
+    found["W sees"] = type(next(model.parameters())).__name__
+    stage_backward_weight(model.parameters(), handoff)
+    state = fully_shard.state(model)  # type: ignore[attr-defined]
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    fsdp_params = [p for group in groups for p in group.fsdp_params]
+    got = [p._unsharded_param.grad for p in fsdp_params]
+    found["max error"] = max((a - b).abs().max().item() for a, b in zip(got, want))
+
+    stray = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    try:
+        stage_backward_input([model(x) @ stray], [g], [x], model.parameters())
+        found["stray"] = "accepted"
+    except SplitBackwardError as exc:
+        found["stray"] = str(exc)
+    torch.save(found, outfile)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
