@@ -10,14 +10,12 @@ and step, and the schedule's own action list gives the order that was captured.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -26,44 +24,8 @@ import _graphed_split_schedule_worker as worker  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(kind: str, tmp_path: Path) -> list[dict[str, object]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_graphed_split_schedule_worker.py"), str(r), port, kind, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=180)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{kind} run did not finish in 180 s")
-    results = []
-    for r in range(2):
-        path = tmp_path / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    for res in results:
-        if "Pair is not connected" in str(res.get("crash", "")) and "_initialize_stages" in str(res["crash"]):
-            # torch 2.11's stage init sends to the rank's own other stage over gloo.
-            pytest.skip(f"this torch cannot run {kind} on gloo with 2 ranks: {res['crash'][:200]}")
-    return results
+    return run_ranks(HERE / "_graphed_split_schedule_worker.py", [kind], 2, tmp_path, kind)
 
 
 def _reference() -> dict[str, torch.Tensor]:

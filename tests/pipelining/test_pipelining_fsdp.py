@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import free_port, worker_env
 
 HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sharded_in_b_unsharded_in_w_exact_and_stray_parameter_named(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     out = tmp_path / "found.pt"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_pipelining_fsdp_worker.py"), str(_free_port()), str(out)],
-        env=env,
+        [sys.executable, str(HERE / "_pipelining_fsdp_worker.py"), str(free_port()), str(out)],
+        env=worker_env(),
         capture_output=True,
         timeout=120,
     )

@@ -15,9 +15,6 @@ graph alive after the step (returned losses included).
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch
 from torch.distributed.pipelining import stage as stage_module
 
 import gradsafe
+from _ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -34,45 +32,12 @@ import _pipelining_zbv_worker as worker  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, object]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    port = str(_free_port())
     ranks = 2 * worker.data_parallel(wrapper)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_pipelining_zbv_worker.py"), str(r), port, mode, kind, wrapper, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(ranks)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=120)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{mode} {kind} {wrapper} run did not finish in 120 s")
-    results = []
-    for r in range(ranks):
-        path = tmp_path / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    for res in results:
-        if "Pair is not connected" in str(res.get("crash", "")) and "_initialize_stages" in str(res["crash"]):
-            # torch 2.11's stage init sends to the rank's own other stage over gloo.
-            pytest.skip(f"this torch cannot run {kind} on gloo with 2 ranks: {res['crash'][:200]}")
-    return results
+    return run_ranks(
+        HERE / "_pipelining_zbv_worker.py", [mode, kind, wrapper], ranks, tmp_path,
+        f"{mode} {kind} {wrapper}", timeout=120,
+    )
 
 
 def _ddp_left_prepared() -> bool:
