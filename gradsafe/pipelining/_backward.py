@@ -33,7 +33,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
 )
-from gradsafe.pipelining._weight_pass import Recorded
+from gradsafe.pipelining._weight_pass import Kept, Recorded
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -145,6 +145,12 @@ def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad
     store[node] = tuple(grads)
 
 
+def _record_sent(
+    store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, sent: Any, arrived: Any
+) -> None:
+    store[node] = tuple(sent)
+
+
 def _tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
     items = list(values)
     for index, item in enumerate(items):
@@ -243,8 +249,15 @@ def stage_backward_input(
     owners = _owners(graph.leaves.values(), weight_ids)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    sent: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    # A custom Function's backward (a compiled block's too) computes all its
+    # gradients at once and may have side effects (e.g. adding into
+    # main_grad): B runs it, so keep what it sends to the weight side and never
+    # call it again. A built-in node is called again in W for its weight part.
     handles = [
-        item.node.register_prehook(functools.partial(_record, captured, item.node))
+        item.node.register_hook(functools.partial(_record_sent, sent, item.node))
+        if is_python_node(item.node)
+        else item.node.register_prehook(functools.partial(_record, captured, item.node))
         for item in graph.intermediates
     ]
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
@@ -297,13 +310,26 @@ def stage_backward_input(
         else:
             detach_output(t)
     recorded: list[Recorded] = []
+    kept: list[Kept] = []
     for item in graph.intermediates:
+        if item.node in sent:
+            outputs = sent[item.node]
+            kept_edges = tuple(
+                (grad, e.node, e.input_nr)
+                for e in item.weight_edges
+                if (grad := outputs[e.output_index]) is not None
+            )
+            if kept_edges:
+                kept.append(kept_edges)
+            continue
         arrived = captured.get(item.node, ())
         if any(g is not None for g in arrived):
             edges = tuple((e.output_index, e.node, e.input_nr) for e in item.weight_edges)
             recorded.append((item.node, arrived, edges))
+    del sent
     handoff = WeightGradHandoff(
         recorded=recorded,
+        kept=kept,
         output_roots=[
             (roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
             for i in graph.weight_only_outputs

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._weight_pass import Recorded, deliver, leaf_grads
+from gradsafe.pipelining._weight_pass import Kept, Recorded, deliver, leaf_grads
 
 __all__ = [
     "HandoffState",
@@ -77,6 +77,7 @@ class WeightGradHandoff:
         self,
         *,
         recorded: Sequence[Recorded],
+        kept: Sequence[Kept],
         output_roots: Sequence[tuple[Node, int, torch.Tensor]],
         weight_nodes: Sequence[Node],
         leaf_nodes: Sequence[Node],
@@ -87,6 +88,7 @@ class WeightGradHandoff:
         num_nodes: int,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
+        self._kept: tuple[Kept, ...] = tuple(kept)
         self._output_roots = tuple(output_roots)
         self._weight_nodes = tuple(weight_nodes)
         self._leaf_nodes = tuple(leaf_nodes)
@@ -105,6 +107,10 @@ class WeightGradHandoff:
         self.num_nodes = num_nodes
         #: Input-dependent nodes whose weight-side gradients W computes.
         self.num_intermediates = len(self._recorded)
+        #: Custom-Function intermediates whose weight-side gradients B kept for W.
+        self.num_kept = len(self._kept)
+        #: Bytes of those kept gradients, held from B until W.
+        self.kept_bytes = sum(g.numel() * g.element_size() for sent in self._kept for g, _, _ in sent)
 
     @property
     def state(self) -> HandoffState:
@@ -183,7 +189,10 @@ class WeightGradHandoff:
                 # W takes the recorded nodes over and drops each once used.
                 recorded, self._recorded = list(self._recorded), ()
                 weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
-                return leaf_grads(recorded, self._output_roots, weight_nodes, self._leaf_nodes)
+                kept, self._kept = self._kept, ()
+                return leaf_grads(
+                    recorded, kept, self._output_roots, weight_nodes, self._leaf_nodes
+                )
             except Exception as exc:
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
@@ -229,6 +238,7 @@ class WeightGradHandoff:
         self._state = state
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
+        self._kept = ()
         self._output_roots = ()
         self._weight_nodes = ()
         self._leaf_nodes = ()

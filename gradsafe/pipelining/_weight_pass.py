@@ -28,12 +28,16 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, num_inputs
 
-__all__ = ["Recorded", "deliver", "leaf_grads"]
+__all__ = ["Kept", "Recorded", "deliver", "leaf_grads"]
 
 EdgeKey = tuple[Node, int]
 #: An intermediate, the gradients that arrived at it in B, and its weight-side edges
 #: as (output index, child node, child input number).
 Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, int], ...]]
+#: What a custom-Function intermediate sent along its weight-side edges in B
+#: (its backward cannot compute only its input part, so B ran all of it), as
+#: (gradient, child node, child input number): W adds these, never calls it again.
+Kept = tuple[tuple[torch.Tensor, Node, int], ...]
 
 
 def _add(sums: dict[EdgeKey, torch.Tensor], node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
@@ -68,6 +72,7 @@ class _TaskScope(torch.autograd.Function):
 
 def leaf_grads(
     recorded: list[Recorded],
+    kept: Sequence[Kept],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
     weight_nodes: list[Node],
     leaves: Sequence[Node],
@@ -106,6 +111,9 @@ def leaf_grads(
 
     for node, nr, grad in output_roots:
         _add(sums, node, nr, grad)
+    for sent in kept:
+        for grad, target, target_nr in sent:
+            _add(sums, target, target_nr, grad)
     if recorded or weight_nodes:
         anchor = torch.zeros((), requires_grad=True)
         with torch.enable_grad():
