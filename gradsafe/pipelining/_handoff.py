@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node
@@ -86,6 +88,7 @@ class WeightGradHandoff:
         outputs: Sequence[torch.Tensor],
         keep_alive: Sequence[torch.Tensor],
         num_nodes: int,
+        group: Any = None,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
@@ -101,6 +104,10 @@ class WeightGradHandoff:
         # Views of the outputs, made while they had a graph: their C++ nodes own
         # custom-Function nodes W calls even if the outputs are detached first.
         self._keep_alive = tuple(keep_alive)
+        # The checkpoint group B ran in (None without checkpointed ops): W
+        # runs in it too, so checkpointed regions are not recomputed again and
+        # their recomputed tensors (held until W) are the ones B used.
+        self._group = group
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
@@ -190,9 +197,11 @@ class WeightGradHandoff:
                 recorded, self._recorded = list(self._recorded), ()
                 weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
                 kept, self._kept = self._kept, ()
-                return leaf_grads(
-                    recorded, kept, self._output_roots, weight_nodes, self._leaf_nodes
-                )
+                group, self._group = self._group, None
+                with contextlib.nullcontext() if group is None else group:
+                    return leaf_grads(
+                        recorded, kept, self._output_roots, weight_nodes, self._leaf_nodes
+                    )
             except Exception as exc:
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
@@ -239,6 +248,7 @@ class WeightGradHandoff:
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
         self._kept = ()
+        self._group = None
         self._output_roots = ()
         self._weight_nodes = ()
         self._leaf_nodes = ()

@@ -127,3 +127,35 @@ def test_custom_function_backward_runs_once(hooks: bool, main_grad: bool) -> Non
     fused, split = _fused_and_split(lambda c: Stage(c, main_grad), hooks)
     assert fused[0]["Linear.backward"] == 2
     _assert_same(fused, split)
+
+
+class Checkpointed(torch.nn.Module):
+    """A checkpointed block (with dropout) whose first weight is also used outside it."""
+
+    def __init__(self, counts: Counts, wrap: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(4, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(4, 4))
+        self.counts, self.wrap = counts, wrap
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        self.counts.hit("block forward")
+        h = torch.nn.functional.dropout(torch.tanh(x @ self.w1.T), 0.5, training=True)
+        return h @ self.w2.T
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.wrap(self.block, x) + x @ self.w1.T
+
+
+_CHECKPOINTS = {
+    "non-reentrant": functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False),
+    "non-reentrant, rng preserved": functools.partial(checkpoint, use_reentrant=False),
+}
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("form", sorted(_CHECKPOINTS))
+def test_checkpoint_recomputes_once(form: str, hooks: bool) -> None:
+    fused, split = _fused_and_split(lambda c: Checkpointed(c, _CHECKPOINTS[form]), hooks)
+    assert fused[0]["block forward"] == 2  # the forward and one recomputation
+    _assert_same(fused, split)
