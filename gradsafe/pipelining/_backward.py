@@ -291,7 +291,7 @@ def stage_backward_input(
     except RuntimeError as exc:
         if "donated_buffer" in str(exc):
             raise SplitBackwardError(
-                "a torch.compile'd (inductor) block in this stage donates its saved buffers, so "
+                "a torch.compile'd block in this stage donates its saved buffers (the default), so "
                 "its backward can run only once, and a split backward keeps the graph from B "
                 "for W. Set torch._functorch.config.donated_buffer = False before compiling "
                 "(no parameter gradient has changed)."

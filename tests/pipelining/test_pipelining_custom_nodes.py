@@ -153,9 +153,81 @@ _CHECKPOINTS = {
 }
 
 
+def _wrapper(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class Fn(torch.nn.Module):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return fn(x)
+
+    return checkpoint_wrapper(Fn(), preserve_rng_state=False)(x)
+
+
+def _selective(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # torchtitan's policy saves matmul outputs and recomputes the rest.
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return checkpoint(
+        fn,
+        x,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+    )
+
+
+_CHECKPOINTS["checkpoint_wrapper"] = _wrapper
+_CHECKPOINTS["selective"] = _selective
+
+
 @pytest.mark.parametrize("hooks", [False, True])
 @pytest.mark.parametrize("form", sorted(_CHECKPOINTS))
 def test_checkpoint_recomputes_once(form: str, hooks: bool) -> None:
     fused, split = _fused_and_split(lambda c: Checkpointed(c, _CHECKPOINTS[form]), hooks)
     assert fused[0]["block forward"] == 2  # the forward and one recomputation
     _assert_same(fused, split)
+
+
+class Compiled(torch.nn.Module):
+    """Two compiled blocks; the first weight also used outside them."""
+
+    def __init__(self, counts: Counts, backend: str) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(4, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(4, 4))
+        self.block = torch.compile(self._block, backend=backend, fullgraph=True)
+
+    @staticmethod
+    def _block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w.T) * 2
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.block(self.block(x, self.w1), self.w2) + x @ self.w1.T
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_aot_eager_compiled_blocks_exact(hooks: bool) -> None:
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        fused, split = _fused_and_split(lambda c: Compiled(c, "aot_eager"), hooks)
+    _assert_same(fused, split)
+
+
+def test_donated_buffers_are_a_clear_error_at_b() -> None:
+    torch._dynamo.reset()
+    module = Compiled(Counts(), "aot_eager")  # donates like inductor; no C++ compiler needed
+    x = torch.randn(3, 4, requires_grad=True)
+    # The backward is compiled at the first backward, with donated buffers
+    # unless that one retained the graph: a fused step (or warm-up) first.
+    module(x).sum().backward()
+    for p in (x, *module.parameters()):
+        p.grad = None
+    out = module(x)
+    with pytest.raises(SplitBackwardError, match=r"torch\._functorch\.config\.donated_buffer = False"):
+        stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
+    assert x.grad is None and all(p.grad is None for p in module.parameters())
