@@ -280,7 +280,7 @@ def stage_backward_input(
             with _entered(group), silenced_tensor_hooks(target_leaves):
                 grads = torch.autograd.grad(
                     [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
-                    [t for _, t in inputs] + [GradientEdge(n, nr) for n, nr in targets],  # type: ignore[operator]
+                    [t for _, t in inputs] + [GradientEdge(n, nr) for n, nr in targets],  # type: ignore[operator, misc]
                     [r.grad for r in b_roots],
                     retain_graph=True,  # W still needs the saved tensors of the intermediates
                     allow_unused=True,
@@ -341,9 +341,9 @@ def stage_backward_input(
         if item.node in sent:
             outputs = sent[item.node]
             kept_edges = tuple(
-                (grad, e.node, e.input_nr)
+                (out, e.node, e.input_nr)
                 for e in item.weight_edges
-                if (grad := outputs[e.output_index]) is not None
+                if (out := outputs[e.output_index]) is not None
             )
             if kept_edges:
                 kept.append(kept_edges)

@@ -136,12 +136,15 @@ class Checkpointed(torch.nn.Module):
         super().__init__()
         self.w1 = torch.nn.Parameter(torch.randn(4, 4))
         self.w2 = torch.nn.Parameter(torch.randn(4, 4))
+        # Its node inside the region sends straight into its AccumulateGrad.
+        self.scale = torch.nn.Parameter(torch.randn(4))
         self.counts, self.wrap = counts, wrap
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
         self.counts.hit("block forward")
-        h = torch.nn.functional.dropout(torch.tanh(x @ self.w1.T), 0.5, training=True)
-        return h @ self.w2.T
+        h = torch.nn.functional.dropout(torch.tanh(x @ self.w1.T) * self.scale, 0.5, training=True)
+        # A custom Function inside the region too.
+        return Linear.apply(h, self.w2, self.counts, False)
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return self.wrap(self.block, x) + x @ self.w1.T
