@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
+from gradsafe.pipelining._graph import Intermediate, StageGraph, WeightEdge, analyze
 from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
@@ -38,7 +38,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
 )
-from gradsafe.pipelining._weight_pass import Kept, Recorded
+from gradsafe.pipelining._weight_pass import EdgeKey, Kept, Recorded, add_grad
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -151,9 +151,12 @@ def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad
 
 
 def _record_sent(
-    store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, sent: Any, arrived: Any
+    sums: dict[EdgeKey, torch.Tensor], edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
 ) -> None:
-    store[node] = tuple(sent)
+    # Summed per edge as they come: a Function applied at many sites keeps
+    # one gradient per weight edge, not one per call.
+    for e in edges:
+        add_grad(sums, e.node, e.input_nr, sent[e.output_index])
 
 
 def _tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
@@ -258,14 +261,14 @@ def stage_backward_input(
     group = _group_for(graph, in_b)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    sent: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    sent: dict[EdgeKey, torch.Tensor] = {}
     # A custom Function's backward (a compiled block's too) computes all its
     # gradients at once and may have side effects (e.g. adding into
     # main_grad): B runs it, so keep what it sends to the weight side and never
     # call it again. A built-in node is called again in W for its weight part,
     # unless it is in `in_b`: then B captures its weight-side gradients.
     handles = [
-        item.node.register_hook(functools.partial(_record_sent, sent, item.node))
+        item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
         if is_python_node(item.node)
         else item.node.register_prehook(functools.partial(_record, captured, item.node))
         for item in graph.intermediates
@@ -334,25 +337,17 @@ def stage_backward_input(
         else:
             detach_output(t)
     recorded: list[Recorded] = []
-    kept: list[Kept] = [
-        ((grad, node, nr),) for (node, nr), grad in zip(targets, at_targets) if grad is not None
-    ]
+    for (node, nr), at_target in zip(targets, at_targets):
+        add_grad(sent, node, nr, at_target)
+    kept: list[Kept] = [(grad, node, nr) for (node, nr), grad in sent.items()]
+    del sent
     for item in graph.intermediates:
-        if item.node in sent:
-            outputs = sent[item.node]
-            kept_edges = tuple(
-                (out, e.node, e.input_nr)
-                for e in item.weight_edges
-                if (out := outputs[e.output_index]) is not None
-            )
-            if kept_edges:
-                kept.append(kept_edges)
+        if item in in_b or is_python_node(item.node):
             continue
         arrived = captured.get(item.node, ())
         if any(g is not None for g in arrived):
             edges = tuple((e.output_index, e.node, e.input_nr) for e in item.weight_edges)
             recorded.append((item.node, arrived, edges))
-    del sent
     handoff = WeightGradHandoff(
         recorded=recorded,
         kept=kept,

@@ -114,10 +114,10 @@ class WeightGradHandoff:
         self.num_nodes = num_nodes
         #: Input-dependent nodes whose weight-side gradients W computes.
         self.num_intermediates = len(self._recorded)
-        #: Custom-Function intermediates whose weight-side gradients B kept for W.
+        #: Weight-side edges whose gradient B already computed and kept for W.
         self.num_kept = len(self._kept)
         #: Bytes of those kept gradients, held from B until W.
-        self.kept_bytes = sum(g.numel() * g.element_size() for sent in self._kept for g, _, _ in sent)
+        self.kept_bytes = sum(g.numel() * g.element_size() for g, _, _ in self._kept)
 
     @property
     def state(self) -> HandoffState:
