@@ -26,6 +26,7 @@ and :func:`missing_feature` reports it before the patch is applied:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -77,14 +78,19 @@ def leaf_variable(node: Node) -> torch.Tensor | None:
 
 def has_hooked_saved(node: Node) -> bool:
     """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
-    for name in dir(node):
-        if not name.startswith("_raw_saved_"):
-            continue
+    for name in _saved_names(type(node)):
         saved = getattr(node, name)
         for item in saved if isinstance(saved, (list, tuple)) else (saved,):
             if getattr(item, "unpack_hook", None) is not None:
                 return True
     return False
+
+
+@functools.cache
+def _saved_names(kind: type) -> tuple[str, ...]:
+    # Each built-in node kind is its own class; dir() per node would cost more
+    # than the rest of B's bookkeeping for it.
+    return tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
 
 
 def exec_group() -> Any:
