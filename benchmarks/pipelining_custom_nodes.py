@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import _backward as torch_split

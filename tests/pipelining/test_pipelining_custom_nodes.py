@@ -8,10 +8,12 @@ hook ran as often as in the fused backward.
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Callable
 
 import pytest
 import torch
+import torch._functorch.config
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
@@ -218,6 +220,17 @@ def test_aot_eager_compiled_blocks_exact(hooks: bool) -> None:
     torch._dynamo.reset()
     with torch._functorch.config.patch(donated_buffer=False):
         fused, split = _fused_and_split(lambda c: Compiled(c, "aot_eager"), hooks)
+    _assert_same(fused, split)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="inductor on CPU needs a C++ compiler",
+)
+def test_inductor_compiled_blocks_exact_without_donated_buffers() -> None:
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        fused, split = _fused_and_split(lambda c: Compiled(c, "inductor"), hooks=True)
     _assert_same(fused, split)
 
 
