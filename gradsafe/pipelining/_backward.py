@@ -8,16 +8,17 @@ value handed from B to W is a :class:`WeightGradHandoff`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from gradsafe.pipelining._graph import analyze
+from gradsafe.pipelining._graph import Intermediate, StageGraph, WeightEdge, analyze
 from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
@@ -26,6 +27,10 @@ from gradsafe.pipelining._handoff import (
     detached_by_split,
 )
 from gradsafe.pipelining._torch import (
+    current_exec_group,
+    exec_group,
+    has_hooked_saved,
+    silenced_tensor_hooks,
     fsdp_counterparts,
     input_meta,
     is_python_node,
@@ -33,7 +38,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
 )
-from gradsafe.pipelining._weight_pass import Recorded
+from gradsafe.pipelining._weight_pass import EdgeKey, Kept, Recorded, add_grad
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -145,6 +150,15 @@ def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad
     store[node] = tuple(grads)
 
 
+def _record_sent(
+    sums: dict[EdgeKey, torch.Tensor], edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
+) -> None:
+    # Summed per edge as they come: a Function applied at many sites keeps
+    # one gradient per weight edge, not one per call.
+    for e in edges:
+        add_grad(sums, e.node, e.input_nr, sent[e.output_index])
+
+
 def _tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
     items = list(values)
     for index, item in enumerate(items):
@@ -242,24 +256,50 @@ def stage_backward_input(
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
+    in_b = _weight_parts_in_b(graph)
+    targets = list(dict.fromkeys((e.node, e.input_nr) for item in in_b for e in item.weight_edges))
+    group = _group_for(graph, in_b)
+
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    sent: dict[EdgeKey, torch.Tensor] = {}
+    # A custom Function's backward (a compiled block's too) computes all its
+    # gradients at once and may have side effects (e.g. adding into
+    # main_grad): B runs it, so keep what it sends to the weight side and never
+    # call it again. A built-in node is called again in W for its weight part,
+    # unless it is in `in_b`: then B captures its weight-side gradients.
     handles = [
-        item.node.register_prehook(functools.partial(_record, captured, item.node))
+        item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
+        if is_python_node(item.node)
+        else item.node.register_prehook(functools.partial(_record, captured, item.node))
         for item in graph.intermediates
+        if item not in in_b
     ]
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
+    at_targets: Sequence[torch.Tensor | None] = ()
     try:
         b_roots = [roots[i] for i in graph.input_side_outputs]
         if b_roots and inputs:
-            grads = torch.autograd.grad(
-                [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
-                [t for _, t in inputs],
-                [r.grad for r in b_roots],
-                retain_graph=True,  # W still needs the saved tensors of the intermediates
-                allow_unused=True,
-            )
+            target_leaves = [v for n, _ in targets if (v := leaf_variable(n)) is not None]
+            with _entered(group), silenced_tensor_hooks(target_leaves):
+                grads = torch.autograd.grad(
+                    [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
+                    [t for _, t in inputs] + [GradientEdge(n, nr) for n, nr in targets],  # type: ignore[operator, misc]
+                    [r.grad for r in b_roots],
+                    retain_graph=True,  # W still needs the saved tensors of the intermediates
+                    allow_unused=True,
+                )
             for (i, _), grad in zip(inputs, grads):
                 dinputs[i] = grad
+            at_targets = grads[len(inputs) :]
+    except RuntimeError as exc:
+        if "donated_buffer" in str(exc):
+            raise SplitBackwardError(
+                "a torch.compile'd block in this stage donates its saved buffers (the default), so "
+                "its backward can run only once, and a split backward keeps the graph from B "
+                "for W. Set torch._functorch.config.donated_buffer = False before compiling "
+                "(no parameter gradient has changed)."
+            ) from exc
+        raise
     finally:
         for handle in handles:
             handle.remove()
@@ -297,13 +337,20 @@ def stage_backward_input(
         else:
             detach_output(t)
     recorded: list[Recorded] = []
+    for (node, nr), at_target in zip(targets, at_targets):
+        add_grad(sent, node, nr, at_target)
+    kept: list[Kept] = [(grad, node, nr) for (node, nr), grad in sent.items()]
+    del sent
     for item in graph.intermediates:
+        if item in in_b or is_python_node(item.node):
+            continue
         arrived = captured.get(item.node, ())
         if any(g is not None for g in arrived):
             edges = tuple((e.output_index, e.node, e.input_nr) for e in item.weight_edges)
             recorded.append((item.node, arrived, edges))
     handoff = WeightGradHandoff(
         recorded=recorded,
+        kept=kept,
         output_roots=[
             (roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
             for i in graph.weight_only_outputs
@@ -315,8 +362,74 @@ def stage_backward_input(
         outputs=later,
         keep_alive=keep,
         num_nodes=graph.num_nodes,
+        group=group,
     )
     return tuple(dinputs), handoff
+
+
+def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
+    """The intermediates whose weight-side gradients B must compute (W cannot call them again).
+
+    A built-in intermediate whose saved tensors come back through saved-tensor
+    hooks (a checkpointed region) may unpack them once per checkpoint group:
+    B captures what it sends to the weight side instead. Every intermediate
+    sending into one of those edges joins it (the capture sums them all).
+    """
+    in_b = {
+        item
+        for item in graph.intermediates
+        if not is_python_node(item.node) and has_hooked_saved(item.node)
+    }
+    if not in_b:
+        return in_b
+    targets = {(e.node, e.input_nr) for item in in_b for e in item.weight_edges}
+    grown = True
+    while grown:
+        grown = False
+        for item in graph.intermediates:
+            if item not in in_b and any((e.node, e.input_nr) in targets for e in item.weight_edges):
+                in_b.add(item)
+                targets.update((e.node, e.input_nr) for e in item.weight_edges)
+                grown = True
+    for node in graph.weight_nodes:
+        if any((child, nr) in targets for child, nr in node.next_functions):
+            raise SplitBackwardError(
+                f"a checkpointed {node.name()} on the weight side sends its gradient into the "
+                "same node as a checkpointed op that also depends on a stage input: B would run "
+                "it while capturing the latter. Use the weight inside the checkpointed region "
+                "through one op, or use stage_backward (fused). No gradient has changed."
+            )
+    return in_b
+
+
+def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:
+    """A checkpoint group shared by B and W when W will unpack checkpointed tensors, else None."""
+    if not in_b and not any(has_hooked_saved(n) for n in graph.weight_nodes if not is_python_node(n)):
+        return None
+    if current_exec_group() is not None:
+        raise SplitBackwardError(
+            "stage_backward_input ran inside a torch.utils.checkpoint.GraphExecGroup: gradsafe "
+            "puts B and W of each microbatch in a group of their own (so a checkpointed region "
+            "recomputes once across them), and groups cannot nest. Call B and W outside it."
+        )
+    group = exec_group()
+    if group is None:
+        raise SplitBackwardError(
+            f"this stage has activation-checkpointed ops and torch {torch.__version__} has no "
+            "torch.utils.checkpoint.GraphExecGroup, so W would recompute them a second time "
+            "(different dropout with preserve_rng_state=False). Use a torch with it, or "
+            "stage_backward (fused). No gradient has changed."
+        )
+    return group
+
+
+@contextlib.contextmanager
+def _entered(group: Any) -> Iterator[None]:
+    if group is None:
+        yield
+    else:
+        with group:
+            yield
 
 
 def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: set[int]) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._weight_pass import Recorded, deliver, leaf_grads
+from gradsafe.pipelining._weight_pass import Kept, Recorded, deliver, leaf_grads
 
 __all__ = [
     "HandoffState",
@@ -77,6 +79,7 @@ class WeightGradHandoff:
         self,
         *,
         recorded: Sequence[Recorded],
+        kept: Sequence[Kept],
         output_roots: Sequence[tuple[Node, int, torch.Tensor]],
         weight_nodes: Sequence[Node],
         leaf_nodes: Sequence[Node],
@@ -85,8 +88,10 @@ class WeightGradHandoff:
         outputs: Sequence[torch.Tensor],
         keep_alive: Sequence[torch.Tensor],
         num_nodes: int,
+        group: Any = None,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
+        self._kept: tuple[Kept, ...] = tuple(kept)
         self._output_roots = tuple(output_roots)
         self._weight_nodes = tuple(weight_nodes)
         self._leaf_nodes = tuple(leaf_nodes)
@@ -99,12 +104,20 @@ class WeightGradHandoff:
         # Views of the outputs, made while they had a graph: their C++ nodes own
         # custom-Function nodes W calls even if the outputs are detached first.
         self._keep_alive = tuple(keep_alive)
+        # The checkpoint group B ran in (None without checkpointed ops): W
+        # runs in it too, so checkpointed regions are not recomputed again and
+        # their recomputed tensors (held until W) are the ones B used.
+        self._group = group
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
         self.num_nodes = num_nodes
         #: Input-dependent nodes whose weight-side gradients W computes.
         self.num_intermediates = len(self._recorded)
+        #: Weight-side edges whose gradient B already computed and kept for W.
+        self.num_kept = len(self._kept)
+        #: Bytes of those kept gradients, held from B until W.
+        self.kept_bytes = sum(g.numel() * g.element_size() for g, _, _ in self._kept)
 
     @property
     def state(self) -> HandoffState:
@@ -183,7 +196,12 @@ class WeightGradHandoff:
                 # W takes the recorded nodes over and drops each once used.
                 recorded, self._recorded = list(self._recorded), ()
                 weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
-                return leaf_grads(recorded, self._output_roots, weight_nodes, self._leaf_nodes)
+                kept, self._kept = self._kept, ()
+                group, self._group = self._group, None
+                with contextlib.nullcontext() if group is None else group:
+                    return leaf_grads(
+                        recorded, kept, self._output_roots, weight_nodes, self._leaf_nodes
+                    )
             except Exception as exc:
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
@@ -229,6 +247,8 @@ class WeightGradHandoff:
         self._state = state
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
+        self._kept = ()
+        self._group = None
         self._output_roots = ()
         self._weight_nodes = ()
         self._leaf_nodes = ()

@@ -12,13 +12,22 @@ and :func:`missing_feature` reports it before the patch is applied:
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
 - ``Tensor._is_view``: views cannot be detached in place;
+- ``SavedTensor.unpack_hook`` (via a node's ``_raw_saved_*``): whether a
+  built-in node's saved tensors come back through saved-tensor hooks
+  (activation checkpointing), so calling it again would unpack them again;
+- ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
+  call time, emptied while B captures a gradient at that leaf;
+- ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
+  group, so a checkpointed region recomputes once across both;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
   parameter): which parameter autograd saw for the sharded one a caller passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +35,10 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "call_node",
+    "current_exec_group",
+    "exec_group",
+    "has_hooked_saved",
+    "silenced_tensor_hooks",
     "fsdp_counterparts",
     "input_meta",
     "is_python_node",
@@ -61,6 +74,60 @@ def leaf_variable(node: Node) -> torch.Tensor | None:
     """The leaf tensor an ``AccumulateGrad`` node accumulates into (None for other nodes)."""
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else None
+
+
+def has_hooked_saved(node: Node) -> bool:
+    """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
+    for name in _saved_names(type(node)):
+        saved = getattr(node, name)
+        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if getattr(item, "unpack_hook", None) is not None:
+                return True
+    return False
+
+
+@functools.cache
+def _saved_names(kind: type) -> tuple[str, ...]:
+    # Each built-in node kind is its own class; dir() per node would cost more
+    # than the rest of B's bookkeeping for it.
+    return tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
+
+
+def exec_group() -> Any:
+    """A new checkpoint ``GraphExecGroup`` (None if this torch has none): one per microbatch."""
+    try:
+        from torch.utils.checkpoint import GraphExecGroup
+    except ImportError:
+        return None
+    return GraphExecGroup()
+
+
+def current_exec_group() -> Any:
+    """The checkpoint ``GraphExecGroup`` active on this thread, if any."""
+    getter = getattr(torch._C, "_get_graph_exec_group", None)
+    return None if getter is None else getter()
+
+
+@contextlib.contextmanager
+def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Keep the leaves' tensor hooks from running while a gradient is captured at them.
+
+    ``autograd.grad`` runs a captured input's tensor hooks; B's capture is not
+    the leaf's gradient yet (W delivers it, and its hooks run then, once).
+    The C++ hook reads the leaf's hook dict when called, so emptying the dict
+    silences them.
+    """
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    for leaf in leaves:
+        hooks = leaf._backward_hooks
+        if hooks:
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
 
 
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

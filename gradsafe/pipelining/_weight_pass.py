@@ -28,15 +28,19 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, num_inputs
 
-__all__ = ["Recorded", "deliver", "leaf_grads"]
+__all__ = ["EdgeKey", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
 
 EdgeKey = tuple[Node, int]
 #: An intermediate, the gradients that arrived at it in B, and its weight-side edges
 #: as (output index, child node, child input number).
 Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, int], ...]]
+#: Gradients B already sent into weight-side edges (from nodes B had to run
+#: whole), summed per edge, as (gradient, child node, child input number): W
+#: adds these and never calls those nodes again.
+Kept = tuple[torch.Tensor, Node, int]
 
 
-def _add(sums: dict[EdgeKey, torch.Tensor], node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
+def add_grad(sums: dict[EdgeKey, torch.Tensor], node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
     if grad is None:
         return
     # The engine reduces broadcast gradients and casts dtypes between nodes
@@ -68,6 +72,7 @@ class _TaskScope(torch.autograd.Function):
 
 def leaf_grads(
     recorded: list[Recorded],
+    kept: Sequence[Kept],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
     weight_nodes: list[Node],
     leaves: Sequence[Node],
@@ -90,7 +95,7 @@ def leaf_grads(
                 node, grads, edges = recorded.pop()
                 outputs = call_node(node, grads)
                 for output_index, target, target_nr in edges:
-                    _add(sums, target, target_nr, outputs[output_index])
+                    add_grad(sums, target, target_nr, outputs[output_index])
                 del node, grads, edges, outputs
             while weight_nodes:
                 weight_node = weight_nodes.pop()
@@ -99,13 +104,15 @@ def leaf_grads(
                     sent = call_node(weight_node, arrived)
                     for (child, input_nr), grad in zip(weight_node.next_functions, sent):
                         if child is not None:
-                            _add(sums, child, input_nr, grad)
+                            add_grad(sums, child, input_nr, grad)
                 del weight_node, arrived
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
     for node, nr, grad in output_roots:
-        _add(sums, node, nr, grad)
+        add_grad(sums, node, nr, grad)
+    for grad, target, target_nr in kept:
+        add_grad(sums, target, target_nr, grad)
     if recorded or weight_nodes:
         anchor = torch.zeros((), requires_grad=True)
         with torch.enable_grad():
