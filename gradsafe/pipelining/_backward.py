@@ -225,6 +225,19 @@ def stage_backward_input(
             modified in place with a parameter, or a leaf in the graph that is
             none of ``weights``. Nothing has changed then.
     """
+    # B builds autograd nodes of its own (views of outputs, its record hooks);
+    # under torch.inference_mode() those would be inference tensors without a
+    # graph. A fused backward works there, so B does too.
+    with torch.inference_mode(False):
+        return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
+
+
+def _stage_backward_input(
+    stage_outputs_or_loss: Any,
+    output_grads: Any,
+    input_values: Sequence[Any],
+    weights: Iterable[torch.Tensor],
+) -> tuple[tuple[torch.Tensor | None, ...], WeightGradHandoff]:
     _require_features()
     if not isinstance(input_values, (tuple, list)):
         raise SplitBackwardError(
