@@ -30,33 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.cuda_graphs import make_graphed_callables
+from gradsafe.cuda_graphs._hazards import CopyCounter
 from gradsafe.testing import emulate_cuda_graphs
 
 POLICIES = ("never", "auto", "always")
 MICROBATCHES = (1, 4, 16)
-
-
-class CopyCounter(TorchDispatchMode):
-    """Counts ``aten.clone`` calls and bytes; ``shapes`` splits the bytes into parameter-shaped and other."""
-
-    def __init__(self, shapes: Sequence[torch.Size] = ()) -> None:
-        super().__init__()
-        self.shapes = set(shapes)
-        self.clones = 0
-        self.bytes = 0
-        self.param_shaped_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten.clone.default:
-            nbytes = args[0].numel() * args[0].element_size()
-            self.clones += 1
-            self.bytes += nbytes
-            if args[0].shape in self.shapes:
-                self.param_shaped_bytes += nbytes
-        return func(*args, **(kwargs or {}))
 
 
 def _layers(device: torch.device, n: int, width: int) -> list[torch.nn.Module]:

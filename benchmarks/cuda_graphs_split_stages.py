@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch.distributed.pipelining import schedules
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradsafe.cuda_graphs._hazards import CopyCounter
 from gradsafe.cuda_graphs.capture_order import CaptureOrder, EntryKind
 from gradsafe.cuda_graphs.split_stages import GraphedSplitStages, make_graphed_split_callables
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
@@ -55,19 +55,6 @@ def print_orders() -> None:
                 chunks = ", ".join(f"c{i}=stage {s}" for i, s in enumerate(order.stage_indices))
                 print(f"rank {rank} ({chunks}): {len(order)} graphs")
                 print(f"  {order}")
-
-
-class CopyCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.clones = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten.clone.default:
-            self.clones += 1
-            self.bytes += args[0].numel() * args[0].element_size()
-        return func(*args, **(kwargs or {}))
 
 
 def _stack(width: int, layers: int) -> torch.nn.Module:

@@ -9,14 +9,24 @@ static-memory semantics).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.doctor import Outcome, patched_check
 
-__all__ = ["ALIASED", "CHECKS", "EXPECTED", "SEED_X1", "SEED_X2", "ScaleByWeight", "seed_grads"]
+__all__ = [
+    "ALIASED",
+    "CHECKS",
+    "CopyCounter",
+    "EXPECTED",
+    "SEED_X1",
+    "SEED_X2",
+    "ScaleByWeight",
+    "seed_grads",
+]
 
 #: Two microbatches accumulated: g1 + g2.
 EXPECTED = [14.0, 27.0, 40.0, 53.0]
@@ -47,6 +57,30 @@ def seed_grads(make_graphed: Callable[..., Any], device: torch.device | str) -> 
     if grad is None:
         raise RuntimeError("the graphed backward gave the weight no gradient at all")
     return grad.tolist()
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts ``aten.clone`` calls and bytes while active: the copies an ownership policy makes.
+
+    Graph replays dispatch no ops, so only real clones count. ``shapes`` splits
+    the bytes into parameter-shaped (``param_shaped_bytes``) and the rest.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size] = ()) -> None:
+        super().__init__()
+        self.shapes = set(shapes)
+        self.clones = 0
+        self.bytes = 0
+        self.param_shaped_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.clone.default:
+            nbytes = args[0].numel() * args[0].element_size()
+            self.clones += 1
+            self.bytes += nbytes
+            if args[0].shape in self.shapes:
+                self.param_shaped_bytes += nbytes
+        return func(*args, **(kwargs or {}))
 
 
 def _seed_repro() -> Outcome:

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsafe
 from gradsafe.cuda_graphs import UnsupportedTorchError, make_graphed_callables
 from gradsafe.cuda_graphs._hazards import (
     ALIASED,
     EXPECTED,
+    CopyCounter,
     SEED_X1,
     SEED_X2,
     ScaleByWeight,
@@ -72,21 +72,6 @@ def mlp(env: Env, width: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width)
     ).to(env.device)
-
-
-class CloneCounter(TorchDispatchMode):
-    """Counts aten.clone calls (graph replays dispatch no ops, so only real clones count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clones = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten.clone.default:
-            self.clones += 1
-            self.bytes += args[0].numel() * args[0].element_size()
-        return func(*args, **(kwargs or {}))
 
 
 def grads(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -257,7 +242,7 @@ def test_chained_link_not_copied_under_auto(env: Env) -> None:
     a, b = make_graphed_callables(
         (a, b), ((env.randn(3, 8),), (env.randn(3, 8, requires_grad=True),))
     )
-    with CloneCounter() as counter:
+    with CopyCounter() as counter:
         for _ in range(3):
             b(a(env.randn(3, 8))).sum().backward()
     assert counter.clones == n_params
@@ -483,7 +468,7 @@ def test_ownership_clone_counts(
     model = torch.nn.Linear(8, 8).to(env.device)
     graphed = make_graphed_callables(model, (env.randn(3, 8),), ownership=ownership)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with CloneCounter() as counter:
+    with CopyCounter() as counter:
         for _ in range(2):
             opt.zero_grad(set_to_none=set_to_none)
             for _ in range(3):
