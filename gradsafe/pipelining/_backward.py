@@ -30,6 +30,8 @@ from gradsafe.pipelining._torch import (
     current_exec_group,
     exec_group,
     has_hooked_saved,
+    has_other_post_hooks,
+    multi_grad_hook_cells,
     silenced_tensor_hooks,
     fsdp_counterparts,
     input_meta,
@@ -146,8 +148,11 @@ def _shape_of(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grads: Any) -> None:
-    store[node] = tuple(grads)
+def _record(
+    store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad_inputs: Any, grad_outputs: Any
+) -> None:
+    # A post hook: what arrived, after every pre-hook and tensor hook changed it.
+    store[node] = tuple(grad_outputs)
 
 
 def _record_sent(
@@ -222,8 +227,10 @@ def stage_backward_input(
     Raises:
         SplitBackwardError: malformed outputs or gradients, B already run from
             these outputs, a parameter passed as a stage input, a non-leaf input
-            modified in place with a parameter, or a leaf in the graph that is
-            none of ``weights``. Nothing has changed then.
+            modified in place with a parameter, a leaf in the graph that is
+            none of ``weights``, a post hook on a node that depends on both a
+            stage input and a parameter, or a ``register_multi_grad_hook``
+            spanning a stage input and a parameter. Nothing has changed then.
     """
     # B builds autograd nodes of its own (views of outputs, its record hooks);
     # under torch.inference_mode() those would be inference tensors without a
@@ -266,6 +273,7 @@ def _stage_backward_input(
             )
     for i, t in inputs:
         _refuse_in_place_weight_use(i, t, weight_ids)
+    _refuse_multi_grad_hooks_across(inputs, weight_list)
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
@@ -275,21 +283,36 @@ def _stage_backward_input(
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     sent: dict[EdgeKey, torch.Tensor] = {}
-    # A custom Function's backward (a compiled block's too) computes all its
-    # gradients at once and may have side effects (e.g. adding into
-    # main_grad): B runs it, so keep what it sends to the weight side and never
-    # call it again. A built-in node is called again in W for its weight part,
-    # unless it is in `in_b`: then B captures its weight-side gradients.
-    handles = [
-        item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
-        if is_python_node(item.node)
-        else item.node.register_prehook(functools.partial(_record, captured, item.node))
-        for item in graph.intermediates
-        if item not in in_b
-    ]
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     at_targets: Sequence[torch.Tensor | None] = ()
+    handles: list[Any] = []
     try:
+        # A custom Function's backward (a compiled block's too) computes all its
+        # gradients at once and may have side effects (e.g. adding into
+        # main_grad): B runs it, so keep what it sends to the weight side and
+        # never call it again. A built-in node is called again in W for its
+        # weight part, unless it is in `in_b`: then B captures its weight-side
+        # gradients.
+        for item in graph.intermediates:
+            if item in in_b:
+                continue
+            if is_python_node(item.node):
+                handles.append(
+                    item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
+                )
+                continue
+            handle = item.node.register_hook(functools.partial(_record, captured, item.node))
+            handles.append(handle)
+            if has_other_post_hooks(handle):
+                raise SplitBackwardError(
+                    f"a post hook is registered on {item.node.name()}, an autograd node of this "
+                    "stage that depends on both a stage input and a parameter (Node.register_hook, "
+                    "or the deprecated Module.register_backward_hook): a split backward computes "
+                    "its input and weight gradients in separate passes, so the hook cannot see "
+                    "them together as in a fused backward. Register a tensor hook on the "
+                    "activation or the parameter, or Module.register_full_backward_hook, instead; "
+                    "or use stage_backward (fused). No gradient has changed."
+                )
         b_roots = [roots[i] for i in graph.input_side_outputs]
         if b_roots and inputs:
             target_leaves = [v for n, _ in targets if (v := leaf_variable(n)) is not None]
@@ -477,6 +500,33 @@ def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: se
         frontier = nxt
 
 
+def _refuse_multi_grad_hooks_across(
+    inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[torch.Tensor]
+) -> None:
+    """Refuse a ``register_multi_grad_hook`` spanning a stage input and a parameter.
+
+    B computes the input's gradient and W the parameter's, in two engine
+    passes: mode ``"any"`` would fire once in each, mode ``"all"`` cannot
+    collect both (torch's own B crashes in it).
+    """
+    if not inputs:
+        return
+    input_cells: set[int] = set()
+    for _, t in inputs:
+        input_cells |= multi_grad_hook_cells(t)
+    if not input_cells:
+        return
+    for w in weights:
+        if input_cells & multi_grad_hook_cells(w):
+            raise SplitBackwardError(
+                f"a torch.autograd.graph.register_multi_grad_hook spans a stage input and a "
+                f"{describe(w)}: a split backward gives them gradients in separate passes (B and "
+                "W), so the hook would fire twice (mode 'any') or never see both (mode 'all'). "
+                "Register it over the parameters only, or over the inputs only; or use "
+                "stage_backward (fused). No gradient has changed."
+            )
+
+
 def _owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:
     """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error."""
     counterparts: dict[int, torch.Tensor] | None = None
@@ -549,8 +599,10 @@ def stage_backward_weight(
         SplitBackwardError: no hand-off, one from torch's own B, one already
             used or failed, one made for other parameters, a non-bool
             ``retain_graph``, or a weight pass that cannot be computed (saved
-            tensors freed). No gradient has changed and no hook has run then,
-            and the hand-off is ``FAILED``. A user hook's own exception
+            tensors freed, or a hook on a weight-side node or tensor raised).
+            No parameter gradient has changed then (only hooks on weight-side
+            nodes and tensors may have run), and the hand-off is ``FAILED``.
+            A parameter hook's own exception
             propagates unchanged from the delivery step: parameters whose
             AccumulateGrad ran before it keep their new gradient (their hooks
             ran), the others do not, and the hand-off is ``FAILED``.

@@ -41,11 +41,13 @@ def detached_by_split(tensor: torch.Tensor) -> bool:
 class SplitBackwardError(RuntimeError):
     """A split backward was used in a way that cannot give a fused backward's gradients.
 
-    Raised before any gradient is changed and before any hook runs: gradsafe
-    checks everything it can (argument types, B run twice, a hand-off used twice
-    or with another stage's parameters, saved tensors already freed) before W's
-    single delivery step. The one failure that can come after some gradients
-    were accumulated is a user hook's own exception, which propagates as is.
+    Raised before any gradient is changed: gradsafe checks everything it can
+    (argument types, B run twice, a hand-off used twice or with another stage's
+    parameters, hooks a split cannot honour) before B runs any hook, and
+    computes every gradient (saved tensors already freed fail there; hooks on
+    weight-side nodes run there) before W's single delivery step. The one
+    failure that can come after some gradients were accumulated is a user
+    parameter hook's own exception, which propagates as is.
     """
 
 
@@ -195,21 +197,26 @@ class WeightGradHandoff:
             try:
                 # W takes the recorded nodes over and drops each once used.
                 recorded, self._recorded = list(self._recorded), ()
-                weight_nodes, self._weight_nodes = list(self._weight_nodes), ()
                 kept, self._kept = self._kept, ()
                 group, self._group = self._group, None
                 with contextlib.nullcontext() if group is None else group:
                     return leaf_grads(
-                        recorded, kept, self._output_roots, weight_nodes, self._leaf_nodes
+                        recorded,
+                        kept,
+                        self._output_roots,
+                        self._weight_nodes,
+                        self._leaf_nodes,
+                        self._leaves,
                     )
             except Exception as exc:
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
-                    f"gradient or running any hook ({type(exc).__name__}: "
-                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). If another "
-                    "backward ran through this microbatch's graph between B and W without "
-                    "retain_graph=True, the saved tensors W needs are gone: redo the "
-                    "microbatch's forward and backward."
+                    f"parameter's gradient ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). A hook on "
+                    "a weight-side node or tensor may have raised it; or another backward ran "
+                    "through this microbatch's graph between B and W without retain_graph=True, "
+                    "and the saved tensors W needs are gone: redo the microbatch's forward and "
+                    "backward."
                 ) from exc
         except BaseException as exc:
             self._finish(HandoffState.FAILED, f"{type(exc).__name__}: {exc}")

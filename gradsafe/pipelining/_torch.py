@@ -6,9 +6,12 @@ undocumented lives here, so a torch release that changes it breaks one module
 and :func:`missing_feature` reports it before the patch is applied:
 
 - ``Node._input_metadata``: the shape/dtype/device each node input expects;
-- calling a built-in node directly (``node(*grads)``) and a custom
-  ``autograd.Function`` node's ``apply``: runs its backward formula without
-  the engine, so no hooks run and nothing flows into other nodes;
+- calling a built-in node directly (``node(*grads)``): runs its backward
+  formula without the engine, so no hooks run and nothing flows into other nodes;
+- ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks, all in one
+  dict (whether a user registered any besides gradsafe's);
+- the closures ``register_multi_grad_hook`` registers as tensor hooks (which
+  tensors one registration spans);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
 - ``Tensor._is_view``: views cannot be detached in place;
@@ -16,7 +19,7 @@ and :func:`missing_feature` reports it before the patch is applied:
   built-in node's saved tensors come back through saved-tensor hooks
   (activation checkpointing), so calling it again would unpack them again;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
-  call time, emptied while B captures a gradient at that leaf;
+  call time, emptied while a gradient is captured at that leaf;
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,6 +39,8 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "call_node",
+    "has_other_post_hooks",
+    "multi_grad_hook_cells",
     "current_exec_group",
     "exec_group",
     "has_hooked_saved",
@@ -45,7 +51,6 @@ __all__ = [
     "is_view",
     "leaf_variable",
     "missing_feature",
-    "num_inputs",
 ]
 
 
@@ -63,11 +68,6 @@ def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torc
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view (those cannot be detached in place)."""
     return bool(tensor._is_view())
-
-
-def num_inputs(node: Node) -> int:
-    """How many gradients ``node`` takes (one per output of its forward)."""
-    return len(node._input_metadata)  # type: ignore[attr-defined]
 
 
 def leaf_variable(node: Node) -> torch.Tensor | None:
@@ -131,33 +131,53 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
 
 
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-    """Run ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
-    if not is_python_node(node):
-        result = node(*grads)  # type: ignore[operator]
-        # A node with one next edge returns a bare tensor (or None).
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    # The engine materializes missing gradients as zeros for a custom Function
-    # (unless it opted out; zeros are valid input either way).
-    full = [g if g is not None else _zeros(node, i) for i, g in enumerate(grads)]
-    result = node.apply(*full)  # type: ignore[attr-defined]
-    results = result if isinstance(result, tuple) else (result,)
-    needs: tuple[bool, ...] = tuple(node.needs_input_grad)  # type: ignore[attr-defined]
-    if len(results) != len(needs):
-        raise RuntimeError(
-            f"{node.name()}'s backward returned {len(results)} gradients for {len(needs)} forward "
-            "inputs."
-        )
-    # One next edge per tensor argument; those that require grad (valid edges)
-    # are exactly the arguments with needs_input_grad set, in order.
-    wanted = iter(r for r, need in zip(results, needs) if need)
-    return tuple(
-        next(wanted, None) if child is not None else None for child, _ in node.next_functions
-    )
+    """Run a built-in ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
+    result = node(*grads)  # type: ignore[operator]
+    # A node with one next edge returns a bare tensor (or None).
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
-def _zeros(node: Node, input_nr: int) -> torch.Tensor:
-    shape, dtype, device = input_meta(node, input_nr)
-    return torch.zeros(shape, dtype=dtype, device=device)
+@functools.cache
+def _multi_grad_hook_codes() -> frozenset[types.CodeType]:
+    # The code objects of the functions register_multi_grad_hook defines
+    # (its hooks): constants of its own code. Mode "any" copies the user's
+    # names onto its hook, so names cannot tell.
+    codes: set[types.CodeType] = set()
+    stack = [torch.autograd.graph.register_multi_grad_hook.__code__]
+    while stack:
+        for const in stack.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                codes.add(const)
+                stack.append(const)
+    return frozenset(codes)
+
+
+def has_other_post_hooks(handle: Any) -> bool:
+    """Whether the node a post hook was just registered on (``handle``) has other Python post hooks.
+
+    A node keeps all its Python post hooks in one dict, which the handle of
+    each of them refers to.
+    """
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and len(hooks) > 1
+
+
+def multi_grad_hook_cells(tensor: torch.Tensor) -> set[int]:
+    """Identities of the ``register_multi_grad_hook`` registrations that include ``tensor``.
+
+    One registration puts one hook per tensor (the same function in mode
+    ``"any"``, closures over shared cells in mode ``"all"``); the cells they
+    close over identify the registration.
+    """
+    hooks = tensor._backward_hooks
+    if not hooks:
+        return set()
+    return {
+        id(cell)
+        for hook in hooks.values()
+        if getattr(hook, "__code__", None) in _multi_grad_hook_codes()
+        for cell in getattr(hook, "__closure__", None) or ()
+    }
 
 
 def fsdp_counterparts() -> dict[int, torch.Tensor]:
@@ -213,4 +233,31 @@ def missing_feature() -> str | None:
             torch.autograd.grad([GradientEdge(node, 0)], [w], [torch.ones(2, device="cpu")])  # type: ignore[list-item]
         except (TypeError, RuntimeError) as exc:
             return f"torch.autograd.grad does not take GradientEdge roots ({exc})"
+        return _missing_hook_introspection(node, x, w)
+    return None
+
+
+def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) -> str | None:
+    # Without these, B could not refuse hooks it cannot honour: it would
+    # silently give them partial gradients instead.
+    first = node.register_hook(lambda grad_inputs, grad_outputs: None)
+    second = node.register_hook(lambda grad_inputs, grad_outputs: None)
+    try:
+        if not has_other_post_hooks(second):
+            return "a node's post-hook handles do not expose the node's hook dict"
+    except AttributeError as exc:
+        return f"a node's post-hook handles do not expose the node's hook dict ({exc})"
+    finally:
+        first.remove()
+        second.remove()
+    for mode in ("all", "any"):
+        handle = torch.autograd.graph.register_multi_grad_hook(
+            (x, w), lambda grads: None, mode=mode  # type: ignore[arg-type]
+        )
+        try:
+            joined = multi_grad_hook_cells(x) & multi_grad_hook_cells(w)
+        finally:
+            handle.remove()
+        if not joined:
+            return f"register_multi_grad_hook(mode={mode!r}) registrations are not recognisable"
     return None

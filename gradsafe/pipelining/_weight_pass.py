@@ -1,17 +1,20 @@
 """W in two phases: compute every leaf's gradient, then deliver them all at once.
 
 1. :func:`leaf_grads` turns what B recorded into each weight-side leaf's total
-   gradient by calling nodes directly (no engine, so no hooks run, nothing
-   flows into other nodes and no saved tensor is freed): every intermediate on
-   the gradient that arrived at it in B, then the weight-only nodes, parents
-   before children, on the summed gradients their parents sent. Anything that
-   fails here (saved tensors freed by another backward, a custom backward
-   raising) fails before any gradient or hook has run. The calls happen inside
-   the backward of a tiny helper node whose engine task lists exactly the
-   weight-side nodes as wanted: a built-in node asks the running task which of
-   its outputs are needed (``task_should_compute_output``), so an intermediate
-   skips its input-gradient GEMM. Outside such a task it would compute every
-   output; the result is the same, only slower.
+   gradient. Each intermediate is called directly on the gradient that arrived
+   at it in B (no engine: its hooks already ran in B, nothing flows into other
+   nodes and no saved tensor is freed). The calls happen inside the backward
+   of a tiny helper node whose engine task lists exactly the weight-side nodes
+   as wanted: a built-in node asks the running task which of its outputs are
+   needed (``task_should_compute_output``), so an intermediate skips its
+   input-gradient GEMM. What they send into the weight-only side then goes
+   through one engine ``autograd.grad`` down to the leaves' accumulators
+   (captured there, not accumulated; the leaves' own tensor hooks silenced):
+   weight-only nodes run once each with their summed gradient, so hooks on
+   them and on tensors computed from parameters alone (``(w * 2).register_hook``,
+   module backward hooks of a stage whose inputs need no grad) run once, as in
+   a fused backward. Anything that fails here fails before any parameter's
+   gradient changes.
 2. :func:`deliver` runs one engine backward through a helper node whose next
    edges are the leaves' gradient accumulators: each accumulator runs once,
    with the complete gradient (or none, as in a fused backward), so tensor
@@ -26,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._torch import call_node, input_meta, num_inputs
+from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
 
 __all__ = ["EdgeKey", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
 
@@ -74,20 +77,20 @@ def leaf_grads(
     recorded: list[Recorded],
     kept: Sequence[Kept],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
-    weight_nodes: list[Node],
+    weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
+    leaf_tensors: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    """Each leaf's total gradient (None where none arrives), in ``leaves`` order; no side effects.
+    """Each leaf's total gradient (None where none arrives), in ``leaves`` order.
 
-    Consumes ``recorded`` and ``weight_nodes``: each node is dropped once called,
-    so the activations it saved are freed while W goes on (as the engine frees
-    them in a backward without ``retain_graph``), not all at W's end.
+    No parameter gradient changes. Hooks on weight-only nodes and tensors run
+    (once); hooks on the leaves do not (:func:`deliver` runs them). Consumes
+    ``recorded``: each intermediate is dropped once called, so the activations
+    it saved are freed while W goes on.
     """
     sums: dict[EdgeKey, torch.Tensor] = {}
     failure: list[BaseException] = []
-    wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
     recorded.reverse()
-    weight_nodes.reverse()
 
     def work() -> None:
         try:
@@ -97,15 +100,6 @@ def leaf_grads(
                 for output_index, target, target_nr in edges:
                     add_grad(sums, target, target_nr, outputs[output_index])
                 del node, grads, edges, outputs
-            while weight_nodes:
-                weight_node = weight_nodes.pop()
-                arrived = tuple(sums.pop((weight_node, i), None) for i in range(num_inputs(weight_node)))
-                if any(g is not None for g in arrived):
-                    sent = call_node(weight_node, arrived)
-                    for (child, input_nr), grad in zip(weight_node.next_functions, sent):
-                        if child is not None:
-                            add_grad(sums, child, input_nr, grad)
-                del weight_node, arrived
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
@@ -113,17 +107,36 @@ def leaf_grads(
         add_grad(sums, node, nr, grad)
     for grad, target, target_nr in kept:
         add_grad(sums, target, target_nr, grad)
-    if recorded or weight_nodes:
+    if recorded:
         anchor = torch.zeros((), requires_grad=True)
         with torch.enable_grad():
             scope = _TaskScope.apply(anchor, work)
         # `inputs=` puts every weight-side node into the task's execution info
         # (the anchor makes the helper node itself needed); input-side nodes
         # are not in it, so the direct calls skip the outputs that go there.
+        wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
         torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[arg-type]
         if failure:
             raise failure[0]
-    return [sums.get((leaf, 0)) for leaf in leaves]
+    totals = [sums.pop((leaf, 0), None) for leaf in leaves]
+    if sums:
+        roots = list(sums.items())
+        sums.clear()
+        with silenced_tensor_hooks(leaf_tensors):
+            # retain_graph: a weight-only part may be shared with a later
+            # backward (e.g. a weight transform computed once per step).
+            arrived = torch.autograd.grad(
+                [GradientEdge(node, nr) for (node, nr), _ in roots],  # type: ignore[arg-type]
+                [GradientEdge(leaf, 0) for leaf in leaves],  # type: ignore[arg-type]
+                [grad for _, grad in roots],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        del roots
+        totals = [
+            b if a is None else a if b is None else a + b for a, b in zip(totals, arrived)
+        ]
+    return totals
 
 
 class _Deliver(torch.autograd.Function):

@@ -1,25 +1,19 @@
-"""Findings of a hostile review of the split backward: fixed ones as regression tests, open ones as strict xfails.
+"""Findings of a hostile review of the split backward, kept as regression tests.
 
-An open finding is a strict xfail: fixing it turns the test into a failure
-until its mark is removed. Open: W computes weight gradients by calling autograd nodes
-directly, so hooks registered on nodes or non-leaf tensors of the weight-only
-part of the graph are not run the way a fused backward runs them (see
-docs/pipelining.md, Limitations). Hooks on the parameters themselves are exact
-(tests/pipelining/test_pipelining_hooks.py).
+Hooks a split backward cannot honour (they would need the input and weight
+halves of a gradient in one pass) are refused at B before anything changes;
+every other hook on the weight side fires once, as in a fused backward.
 """
 
 from __future__ import annotations
 
-import functools
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
-
-KNOWN_DEFECT = functools.partial(pytest.mark.xfail, strict=True)
-
 
 @pytest.fixture(autouse=True)
 def _fp64():  # type: ignore[no-untyped-def]
@@ -36,69 +30,101 @@ def _setup() -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
     return m, x, torch.randn(3, 4)
 
 
-@KNOWN_DEFECT(reason='fires in B and again in W')
-def test_multi_grad_hook_any_over_weight_and_input_fires_once() -> None:
-    """Severity: misleading (hook count). register_multi_grad_hook(mode="any") over
-    (weight, stage input) fires once in a fused backward but twice with B + W (once in each),
-    so e.g. a per-backward counter / FSDP-style 'backward started' hook double fires."""
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_weight_and_input_is_refused_before_anything_changes(mode: str) -> None:
+    """A fused backward fires it once; B + W would fire it in each pass (mode "any") or
+    crash in torch's internals (mode "all", as torch's own B does). Refused at B instead."""
     m, x, g = _setup()
     calls: list[int] = []
-    torch.autograd.graph.register_multi_grad_hook((m.weight, x), lambda grad: calls.append(1), mode="any")
+    torch.autograd.graph.register_multi_grad_hook((m.weight, x), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
+    out = m(m(x))
+    with pytest.raises(SplitBackwardError, match="register_multi_grad_hook spans a stage input"):
+        stage_backward_input([out], [g], [x], m.parameters())
+    assert calls == [] and x.grad is None and m.weight.grad is None
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_parameters_only_fires_once(mode: str) -> None:
+    m, x, g = _setup()
+    calls: list[int] = []
+    torch.autograd.graph.register_multi_grad_hook((m.weight, m.bias), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
     m(m(x)).backward(g)
     fused = len(calls)
     calls.clear()
-    out = m(m(x))
-    _, handoff = stage_backward_input([out], [g], [x], m.parameters())
+    _, handoff = stage_backward_input([m(m(x))], [g], [x], m.parameters())
+    assert calls == []
     stage_backward_weight(m.parameters(), handoff)
     assert len(calls) == fused == 1
 
 
-@KNOWN_DEFECT(reason="B raises torch's internal _will_engine_execute_node error (torch's own B too)")
-def test_multi_grad_hook_all_over_weight_and_input_b_does_not_crash() -> None:
-    """Severity: crash (same as torch's own B). register_multi_grad_hook(mode="all") over
-    (weight, stage input) works with a fused backward; gradsafe's B fails inside autograd.grad
-    with torch's internal 'A leaf node was passed to _will_engine_execute_node' RuntimeError,
-    not a SplitBackwardError, and the hook never fires."""
-    m, x, g = _setup()
-    calls: list[int] = []
-    torch.autograd.graph.register_multi_grad_hook((m.weight, x), lambda grads: calls.append(1))
-    out = m(m(x))
-    _, handoff = stage_backward_input([out], [g], [x], m.parameters())
-    stage_backward_weight(m.parameters(), handoff)
-    assert len(calls) == 1
-
-
-@KNOWN_DEFECT(reason='W calls the weight-side node directly; a node post-hook on an activation does not reach the weight gradient')
-def test_node_post_hook_scaling_on_activation_reaches_weight_grad() -> None:
-    """Severity: wrong gradient silently (only hinted at in Limitations: 'run in B only, with the
-    weight-side outputs not yet computed'). A post hook on an activation's grad_fn that rescales
-    grad_inputs (gradient clipping / scaling per layer) scales the weight gradient in a fused
-    backward; with B + W the weight gradient is unscaled and no error or warning is raised."""
+def test_node_post_hook_on_an_intermediate_is_refused_before_anything_changes() -> None:
+    """A post hook on an activation's grad_fn that rescales grad_inputs scales the weight
+    gradient in a fused backward; B cannot show it both halves at once, so B refuses it
+    (before, the weight gradient came out unscaled, silently)."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
     u = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
     g = torch.randn(3, 4)
+    calls: list[int] = []
+
+    def scale(gi: tuple[torch.Tensor | None, ...], go: object) -> tuple[torch.Tensor | None, ...]:
+        calls.append(1)
+        return tuple(None if t is None else t * 3 for t in gi)
+
+    h = x @ w
+    assert h.grad_fn is not None
+    h.grad_fn.register_hook(scale)
+    out = torch.tanh(h) @ u
+    with pytest.raises(SplitBackwardError, match="post hook is registered on MmBackward0"):
+        stage_backward_input([out], [g], [x], [w, u])
+    assert calls == [] and x.grad is None and w.grad is None and u.grad is None
+    # Nothing of gradsafe's stays registered: a fused backward afterwards is plain.
+    out.backward(g)
+    assert len(calls) == 1
+
+
+def test_deprecated_module_backward_hook_is_refused() -> None:
+    """Module.register_backward_hook puts a post hook on the module output's node."""
+    m, x, g = _setup()
+    inner = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some torch versions warn that it is deprecated
+        inner.register_backward_hook(lambda mod, gi, go: None)
+    out = m(inner(x))
+    with pytest.raises(SplitBackwardError, match="register_full_backward_hook"):
+        stage_backward_input([out], [g], [x], [*m.parameters(), *inner.parameters()])
+
+
+def test_node_post_hook_on_a_weight_only_node_fires_once_with_the_full_gradient() -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    calls: list[int] = []
 
     def forward() -> torch.Tensor:
-        h = x @ w
-        assert h.grad_fn is not None
-        h.grad_fn.register_hook(lambda gi, go: tuple(None if t is None else t * 3 for t in gi))
-        return torch.tanh(h) @ u
+        wt = w.t()
+        assert wt.grad_fn is not None
+        wt.grad_fn.register_hook(
+            lambda gi, go: (calls.append(1), tuple(None if t is None else t * 3 for t in gi))[1]
+        )
+        return x @ wt
 
-    want = torch.autograd.grad(forward(), [w, u], g)
-    out = forward()
-    _, handoff = stage_backward_input([out], [g], [x], [w, u])
-    stage_backward_weight([w, u], handoff)
-    torch.testing.assert_close(u.grad, want[1])
-    torch.testing.assert_close(w.grad, want[0])
+    want = torch.autograd.grad(forward(), [w], g)[0]
+    assert len(calls) == 1
+    calls.clear()
+    _, handoff = stage_backward_input([forward()], [g], [x], [w])
+    assert calls == []
+    stage_backward_weight([w], handoff)
+    assert len(calls) == 1
+    torch.testing.assert_close(w.grad, want)
 
 
-@KNOWN_DEFECT(reason='W calls weight-only nodes directly; a tensor hook on a non-leaf computed from parameters alone is not applied')
 def test_tensor_hook_on_weight_only_nonleaf_is_applied() -> None:
-    """Severity: wrong gradient silently (documented in Limitations, but no error or warning):
-    a gradient-scaling hook on a tensor computed from parameters alone (w * 2, w.t(), a
-    weight-norm'd / quantized weight) is ignored by W."""
+    """A gradient-scaling hook on a tensor computed from parameters alone (w * 2, w.t(), a
+    weight-norm'd / quantized weight) runs once in W, as in a fused backward (W used to
+    call weight-only nodes directly and skip it, silently)."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
@@ -116,13 +142,10 @@ def test_tensor_hook_on_weight_only_nonleaf_is_applied() -> None:
     torch.testing.assert_close(w.grad, want)
 
 
-@KNOWN_DEFECT(reason='W calls weight-only nodes directly; module backward hooks on a stage whose inputs need no grad do not fire')
 def test_module_backward_hooks_fire_on_a_stage_whose_inputs_need_no_grad() -> None:
-    """Severity: wrong gradient silently (direct B/W use; torch's schedules run stage 0 fused).
-    A stage whose inputs do not require grad (token ids / the first stage, a case the zoo covers)
-    is all weight-only, so W calls every node directly and nn.Module full backward (pre-)hooks never
-    fire: a pre-hook that rescales grad_output (per-layer grad scaling) is silently ignored, and the
-    hooks' firing count is 0 instead of the fused backward's."""
+    """A stage whose inputs do not require grad (token ids / the first stage) is all
+    weight-only: W runs it through the engine, so a full backward pre-hook that rescales
+    grad_output fires as often as in a fused backward (it used to fire 0 times, silently)."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     calls: list[str] = []
