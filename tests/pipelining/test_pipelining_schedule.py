@@ -93,6 +93,7 @@ def _check_exact(results: list[dict[str, object]], wrapper: str) -> None:
         ("InterleavedZB", "fsdp"),
         ("InterleavedZB", "fsdp_mp"),
         ("InterleavedZB", "fsdp_dp2"),
+        ("ZBV", "fsdp_dp2"),
         pytest.param("InterleavedZB", "ddp", marks=_DDP_LEFT_PREPARED),
     ],
 )
