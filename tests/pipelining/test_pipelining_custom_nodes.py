@@ -131,6 +131,27 @@ def test_custom_function_backward_runs_once(hooks: bool, main_grad: bool) -> Non
     _assert_same(fused, split)
 
 
+class SharedTranspose(torch.nn.Module):
+    """A custom Function and a weight-only op both consume ``w.t()``: the node B captures at
+    (``w.t()``'s) also gets a gradient from a node only W runs."""
+
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.counts = counts
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        wt = self.w.t()
+        return Linear.apply(x, wt, self.counts, False).tanh() + (wt * wt).sum(0)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_custom_function_sharing_a_weight_node_with_a_weight_only_op(hooks: bool) -> None:
+    fused, split = _fused_and_split(SharedTranspose, hooks)
+    assert fused[0]["Linear.backward"] == 1
+    _assert_same(fused, split)
+
+
 class Checkpointed(torch.nn.Module):
     """A checkpointed block (with dropout) whose first weight is also used outside it."""
 
