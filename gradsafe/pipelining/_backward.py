@@ -38,7 +38,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
 )
-from gradsafe.pipelining._weight_pass import EdgeKey, Kept, Recorded, add_grad
+from gradsafe.pipelining._weight_pass import GradSums, Kept, Recorded, add_grad
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -151,7 +151,7 @@ def _record(store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad
 
 
 def _record_sent(
-    sums: dict[EdgeKey, torch.Tensor], edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
+    sums: GradSums, edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
 ) -> None:
     # Summed per edge as they come: a Function applied at many sites keeps
     # one gradient per weight edge, not one per call.
@@ -274,7 +274,7 @@ def _stage_backward_input(
     group = _group_for(graph, in_b)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    sent: dict[EdgeKey, torch.Tensor] = {}
+    sent = GradSums()
     # A custom Function's backward (a compiled block's too) computes all its
     # gradients at once and may have side effects (e.g. adding into
     # main_grad): B runs it, so keep what it sends to the weight side and never

@@ -144,7 +144,7 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
     weight_nodes.reverse()
     consumed: set[Node] = set()
     if len(outputs) > 1:  # with one output, a node consuming it would make a cycle
-        consumed = {kid for kids in children.values() for kid, _ in kids}
+        consumed = {kid for kids in children.values() for kid, _ in kids if kid is not None}
     return StageGraph(
         intermediates=tuple(intermediates),
         weight_nodes=tuple(weight_nodes),
