@@ -3,8 +3,9 @@
 Run: PYTHONPATH=. python benchmarks/pipelining_custom_nodes.py [--quick]
 Prints the torch version and machine, then per stage, side by side in this one
 process (implementations interleaved in every repetition, minimum over
-repetitions, one intra-op thread): fused backward, gradsafe B+W, torch's split
-B+W (ms and ratios; "crash" where it raises), how often each custom backward /
+repetitions, one intra-op thread; each timed until the microbatch's graph is
+released): fused backward, gradsafe B+W, torch's split B+W (ms and ratios;
+"crash" where it raises), how often each custom backward /
 checkpointed forward ran per microbatch, and the bytes gradsafe keeps from B to
 W (weight-side gradients of nodes B had to run whole).
 """
@@ -101,32 +102,34 @@ def checkpointed(layers: int, d: int) -> tuple[nn.Module, Callable[[torch.Tensor
     return blocks, fwd
 
 
-def _time(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run(impl: str, model: nn.Module, fwd: Any, x: torch.Tensor) -> tuple[float, dict[str, int], int]:
-    """(seconds of backward, calls during it, bytes kept from B to W)."""
+    """(seconds of backward, calls during it, bytes kept from B to W).
+
+    The time runs until the microbatch's graph is released (its outputs and
+    hand-off dropped): a split B releases what W does not need itself, a
+    fused backward leaves the nodes to whoever drops the outputs.
+    """
     for p in model.parameters():
         p.grad = None
-    out = fwd(x)
-    g = torch.ones_like(out)
+    box: dict[str, Any] = {"out": fwd(x)}
+    g = torch.ones_like(box["out"])
     before = dict(CALLS)
     kept = 0
     if impl == "fused":
-        t = _time(lambda: torch.autograd.backward([out], [g]))
+        start = time.perf_counter()
+        torch.autograd.backward([box.pop("out")], [g])
     else:
         b, w = (
             (stage_backward_input, stage_backward_weight)
             if impl == "gradsafe"
             else (torch_split.stage_backward_input, torch_split.stage_backward_weight)
         )
-        box: dict[str, Any] = {}
-        t = _time(lambda: box.setdefault("h", b([out], [g], [x], model.parameters())[1]))
-        kept = getattr(box["h"], "kept_bytes", 0)
-        t += _time(lambda: w(model.parameters(), box["h"]))
+        start = time.perf_counter()
+        handoff = b([box.pop("out")], [g], [x], model.parameters())[1]
+        kept = getattr(handoff, "kept_bytes", 0)
+        w(model.parameters(), handoff)
+        del handoff
+    t = time.perf_counter() - start
     return t, {k: CALLS[k] - before[k] for k in CALLS}, kept
 
 
@@ -168,7 +171,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     torch._functorch.config.donated_buffer = False  # a split backward needs it (see docs)
-    reps = 3 if args.quick else 7
+    reps = 3 if args.quick else 15
     d = 64 if args.quick else 256
     print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
           + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}")

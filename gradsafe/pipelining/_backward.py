@@ -40,7 +40,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
 )
-from gradsafe.pipelining._weight_pass import EdgeKey, Kept, Recorded, add_grad
+from gradsafe.pipelining._weight_pass import GradSums, Kept, Recorded, add_grad
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -156,7 +156,7 @@ def _record(
 
 
 def _record_sent(
-    sums: dict[EdgeKey, torch.Tensor], edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
+    sums: GradSums, edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
 ) -> None:
     # Summed per edge as they come: a Function applied at many sites keeps
     # one gradient per weight edge, not one per call.
@@ -282,7 +282,7 @@ def _stage_backward_input(
     group = _group_for(graph, in_b)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    sent: dict[EdgeKey, torch.Tensor] = {}
+    sent = GradSums()
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     at_targets: Sequence[torch.Tensor | None] = ()
     handles: list[Any] = []
@@ -404,38 +404,67 @@ def _stage_backward_input(
 
 
 def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
-    """The intermediates whose weight-side gradients B must compute (W cannot call them again).
+    """The intermediates whose weight-side gradients B computes, captured at their weight edges.
 
     A built-in intermediate whose saved tensors come back through saved-tensor
-    hooks (a checkpointed region) may unpack them once per checkpoint group:
-    B captures what it sends to the weight side instead. Every intermediate
-    sending into one of those edges joins it (the capture sums them all).
+    hooks (a checkpointed region) may unpack them once per checkpoint group,
+    so W cannot call it again: it must be in B. A custom Function's node runs
+    whole in B anyway; capturing its weight edges lets the engine sum what it
+    sends there (in place, like a fused backward) instead of a Python hook
+    per call. Every intermediate sending into a captured edge joins (the
+    capture sums them all).
     """
-    in_b = {
+    checkpointed = {
         item
         for item in graph.intermediates
         if not is_python_node(item.node) and has_hooked_saved(item.node)
     }
+    in_b, blocked = _closure(graph, checkpointed)
+    if blocked is not None:
+        raise SplitBackwardError(
+            f"a checkpointed {blocked.name()} on the weight side sends its gradient into the "
+            "same node as a checkpointed op that also depends on a stage input: B would run "
+            "it while capturing the latter. Use the weight inside the checkpointed region "
+            "through one op, or use stage_backward (fused). No gradient has changed."
+        )
+    custom = {item for item in graph.intermediates if is_python_node(item.node)} - in_b
+    if custom:
+        with_custom, blocked = _closure(graph, in_b | custom)
+        # A weight-only node sending into a captured edge would run in B and
+        # again in W; then the custom nodes' weight-side results are summed by
+        # a hook during B instead (see _record_sent).
+        if blocked is None:
+            in_b = with_custom
+    return in_b
+
+
+def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermediate], Node | None]:
+    """``seed`` plus every intermediate sending into an edge it sends into (transitively).
+
+    Also returns a weight-only node that sends into one of those edges (the
+    engine would run it in B, and W would run it again), or None.
+    """
+    in_b = set(seed)
     if not in_b:
-        return in_b
-    targets = {(e.node, e.input_nr) for item in in_b for e in item.weight_edges}
-    grown = True
-    while grown:
-        grown = False
-        for item in graph.intermediates:
-            if item not in in_b and any((e.node, e.input_nr) in targets for e in item.weight_edges):
-                in_b.add(item)
-                targets.update((e.node, e.input_nr) for e in item.weight_edges)
-                grown = True
+        return in_b, None
+    senders: dict[tuple[Node, int], list[Intermediate]] = {}
+    for item in graph.intermediates:
+        for e in item.weight_edges:
+            senders.setdefault((e.node, e.input_nr), []).append(item)
+    targets: set[tuple[Node, int]] = set()
+    pending = list(in_b)
+    while pending:
+        for e in pending.pop().weight_edges:
+            key = (e.node, e.input_nr)
+            if key not in targets:
+                targets.add(key)
+                joining = [item for item in senders[key] if item not in in_b]
+                in_b.update(joining)
+                pending.extend(joining)
     for node in graph.weight_nodes:
         if any((child, nr) in targets for child, nr in node.next_functions):
-            raise SplitBackwardError(
-                f"a checkpointed {node.name()} on the weight side sends its gradient into the "
-                "same node as a checkpointed op that also depends on a stage input: B would run "
-                "it while capturing the latter. Use the weight inside the checkpointed region "
-                "through one op, or use stage_backward (fused). No gradient has changed."
-            )
-    return in_b
+            return in_b, node
+    return in_b, None
 
 
 def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:

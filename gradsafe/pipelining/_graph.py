@@ -28,8 +28,12 @@ __all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze"]
 _REACHES_INPUT = 1
 _REACHES_PARAM = 2
 
+# The walk makes one WeightEdge and Intermediate per intermediate: not frozen
+# (a frozen dataclass's __init__ costs ~4x, which dominated the walk on graphs
+# of many small custom nodes), compared by identity (each is made once).
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(eq=False, slots=True)
 class WeightEdge:
     """Next edge ``output_index`` of an intermediate, into the weight-only side."""
 
@@ -38,7 +42,7 @@ class WeightEdge:
     input_nr: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False, slots=True)
 class Intermediate:
     """An input-side node with next edges into the weight-only side."""
 
@@ -81,9 +85,12 @@ def analyze(outputs: Sequence[GradientEdge], input_nodes: Collection[Node]) -> S
 
 
 def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
-    flags: dict[Node, int] = {}  # insertion order is post-order: children first
+    flags: dict[Node, int] = {}  # set when a node is finished: children first
     leaves: dict[Node, torch.Tensor] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
+    # Both filled as nodes finish (children first), reversed at the end.
+    intermediates: list[Intermediate] = []
+    weight_nodes: list[Node] = []
 
     for edge in outputs:
         if edge.node in flags:
@@ -99,49 +106,55 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
                 if node in inputs:
                     # A stage input is a boundary: never walk into the previous stage.
                     flags[node] = _REACHES_INPUT
-                    children[node] = ()
                     stack.pop()
                     continue
-                kids = children[node] = tuple(node.next_functions)
+                kids = children[node] = node.next_functions
+                pushed = False
+                for kid, _ in kids:
+                    if kid is not None and kid not in flags:
+                        stack.append(kid)
+                        pushed = True
+                if pushed:
+                    continue
                 if not kids:
                     variable = leaf_variable(node)
                     if variable is not None:
                         leaves[node] = variable
-                pending = [k for k, _ in kids if k is not None and k not in flags]
-                if pending:
-                    stack.extend(pending)
-                    continue
-            state = _REACHES_PARAM if node in leaves else 0
+                        flags[node] = _REACHES_PARAM
+                        stack.pop()
+                        continue
+            state = 0
             for kid, _ in kids:
                 if kid is not None:
                     state |= flags[kid]
             flags[node] = state
             stack.pop()
+            if state == _REACHES_PARAM:
+                weight_nodes.append(node)
+            elif state == _REACHES_INPUT | _REACHES_PARAM:
+                weight_edges = [
+                    WeightEdge(index, kid, input_nr)
+                    for index, (kid, input_nr) in enumerate(kids)
+                    if kid is not None and flags[kid] == _REACHES_PARAM
+                ]
+                if weight_edges:
+                    intermediates.append(Intermediate(node, tuple(weight_edges)))
 
-    intermediates = []
-    for node, kids in children.items():
-        if not flags[node] & _REACHES_INPUT:
-            continue
-        weight_edges = [
-            WeightEdge(index, kid, input_nr)
-            for index, (kid, input_nr) in enumerate(kids)
-            if kid is not None and flags[kid] == _REACHES_PARAM
-        ]
-        if weight_edges:
-            intermediates.append(Intermediate(node, tuple(weight_edges)))
-
-    weight_nodes = tuple(
-        node for node in reversed(flags) if flags[node] == _REACHES_PARAM and node not in leaves
-    )
-    consumed = {kid for kids in children.values() for kid, _ in kids}
-    weight_only = tuple(i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM)
-    input_side = tuple(i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT)
+    intermediates.reverse()
+    weight_nodes.reverse()
+    consumed: set[Node] = set()
+    if len(outputs) > 1:  # with one output, a node consuming it would make a cycle
+        consumed = {kid for kids in children.values() for kid, _ in kids if kid is not None}
     return StageGraph(
         intermediates=tuple(intermediates),
-        weight_nodes=weight_nodes,
+        weight_nodes=tuple(weight_nodes),
         leaves=leaves,
-        weight_only_outputs=weight_only,
-        input_side_outputs=input_side,
+        weight_only_outputs=tuple(
+            i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM
+        ),
+        input_side_outputs=tuple(
+            i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT
+        ),
         consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
         num_nodes=len(flags),
     )

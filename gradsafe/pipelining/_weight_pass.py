@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
 
-__all__ = ["EdgeKey", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
+__all__ = ["EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
 
 EdgeKey = tuple[Node, int]
 #: An intermediate, the gradients that arrived at it in B, and its weight-side edges
@@ -43,19 +44,50 @@ Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, i
 Kept = tuple[torch.Tensor, Node, int]
 
 
-def add_grad(sums: dict[EdgeKey, torch.Tensor], node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
+class GradSums(dict[EdgeKey, torch.Tensor]):
+    """Gradients summed per edge, filled by :func:`add_grad`.
+
+    A sum this object allocated is added into in place from then on, as the
+    engine's input buffers do: one allocation per edge, not one per gradient.
+    A tensor a node returned is never modified (it may be the node's input
+    or a tensor it saved), so the second gradient at an edge is added out of
+    place. Ownership is held weakly: a sum popped and handed to a node is
+    freed when the node is done with it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned: dict[EdgeKey, weakref.ref[torch.Tensor]] = {}
+        # The engine reduces broadcast gradients and casts dtypes between
+        # nodes (validate_outputs); a direct call does not, so add_grad does,
+        # against each edge's input metadata (read once per edge).
+        self.meta: dict[EdgeKey, tuple[torch.Size, torch.dtype]] = {}
+
+
+def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
     if grad is None:
         return
-    # The engine reduces broadcast gradients and casts dtypes between nodes
-    # (validate_outputs); a direct call does not, so do it here.
-    shape, dtype, _ = input_meta(node, input_nr)
+    key = (node, input_nr)
+    meta = sums.meta.get(key)
+    if meta is None:
+        shape, dtype, _ = input_meta(node, input_nr)
+        meta = sums.meta[key] = (shape, dtype)
+    shape, dtype = meta
     if grad.shape != shape:
         grad = grad.sum_to_size(shape)
     if grad.dtype != dtype:
         grad = grad.to(dtype)
-    key = (node, input_nr)
     held = sums.get(key)
-    sums[key] = grad if held is None else held + grad
+    if held is None:
+        sums[key] = grad
+        return
+    owned = sums.owned.get(key)
+    if owned is not None and owned() is held:
+        held.add_(grad)
+        return
+    total = held + grad
+    sums[key] = total
+    sums.owned[key] = weakref.ref(total)
 
 
 class _TaskScope(torch.autograd.Function):
@@ -88,7 +120,7 @@ def leaf_grads(
     ``recorded``: each intermediate is dropped once called, so the activations
     it saved are freed while W goes on.
     """
-    sums: dict[EdgeKey, torch.Tensor] = {}
+    sums = GradSums()
     failure: list[BaseException] = []
     recorded.reverse()
 

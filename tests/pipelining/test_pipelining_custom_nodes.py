@@ -131,6 +131,81 @@ def test_custom_function_backward_runs_once(hooks: bool, main_grad: bool) -> Non
     _assert_same(fused, split)
 
 
+class SharedTranspose(torch.nn.Module):
+    """A custom Function and a weight-only op both consume ``w.t()``: the node B captures at
+    (``w.t()``'s) also gets a gradient from a node only W runs."""
+
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.counts = counts
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        wt = self.w.t()
+        return Linear.apply(x, wt, self.counts, False).tanh() + (wt * wt).sum(0)
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_custom_function_sharing_a_weight_node_with_a_weight_only_op(hooks: bool) -> None:
+    fused, split = _fused_and_split(SharedTranspose, hooks)
+    assert fused[0]["Linear.backward"] == 1
+    _assert_same(fused, split)
+
+
+class Aliasing(torch.autograd.Function):
+    """``a + b``; its backward returns its incoming gradient itself, twice, and logs it."""
+
+    @staticmethod
+    def forward(ctx, a, b, log):  # type: ignore[no-untyped-def, override]
+        ctx.log = log
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        ctx.log.append((grad, grad.clone()))
+        return grad, grad, None
+
+
+class AliasingUses(torch.nn.Module):
+    """Three aliasing gradients summed at one weight-side edge: in W (custom weight-only
+    nodes) or in B (custom intermediates sharing ``w.t()`` with a weight-only op)."""
+
+    def __init__(self, in_b: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.in_b = in_b
+        self.log: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        if self.in_b:
+            wt = self.w.t()
+            for _ in range(3):
+                x = Aliasing.apply(x, wt, self.log).tanh()
+            return x + (wt * wt).sum(0)
+        zero = torch.zeros(4, 4)
+        return sum(x @ Aliasing.apply(self.w, zero, self.log) for _ in range(3))
+
+
+@pytest.mark.parametrize("in_b", [False, True])
+def test_summed_gradients_never_modify_a_tensor_a_backward_returned(in_b: bool) -> None:
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        module = AliasingUses(in_b)
+        x = torch.randn(4, 4, requires_grad=True)
+        out = module(x)
+        if split:
+            _, handoff = stage_backward_input([out], [torch.ones_like(out)], [x], [module.w])
+            stage_backward_weight([module.w], handoff)
+        else:
+            out.backward(torch.ones_like(out))
+        assert len(module.log) == 3
+        for returned, value in module.log:
+            torch.testing.assert_close(returned, value, rtol=0, atol=0)
+        grads.append(module.w.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-12)
+
+
 class Checkpointed(torch.nn.Module):
     """A checkpointed block (with dropout) whose first weight is also used outside it."""
 
