@@ -30,7 +30,9 @@ from gradsafe.pipelining._torch import (
     current_exec_group,
     exec_group,
     has_hooked_saved,
+    has_node_hooks,
     has_other_post_hooks,
+    is_reentrant_checkpoint,
     multi_grad_hook_cells,
     silenced_tensor_hooks,
     fsdp_counterparts,
@@ -39,6 +41,7 @@ from gradsafe.pipelining._torch import (
     is_view,
     leaf_variable,
     missing_feature,
+    num_inputs,
 )
 from gradsafe.pipelining._weight_pass import GradSums, Kept, Recorded, add_grad
 
@@ -277,7 +280,15 @@ def _stage_backward_input(
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
-    in_b = _weight_parts_in_b(graph)
+    for node in graph.weight_nodes:
+        if is_reentrant_checkpoint(node):
+            raise SplitBackwardError(
+                "a torch.utils.checkpoint region with use_reentrant=True is on this stage's "
+                "weight side; its backward refuses torch.autograd.grad, which W runs it under. "
+                "Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), or "
+                "stage_backward (fused). No gradient has changed."
+            )
+    in_b = _weight_parts_in_b(graph, {roots[i].edge.node for i in graph.weight_only_outputs})
     targets = list(dict.fromkeys((e.node, e.input_nr) for item in in_b for e in item.weight_edges))
     group = _group_for(graph, in_b)
 
@@ -313,6 +324,15 @@ def _stage_backward_input(
                     "activation or the parameter, or Module.register_full_backward_hook, instead; "
                     "or use stage_backward (fused). No gradient has changed."
                 )
+        for node in dict.fromkeys(n for n, _ in targets):
+            if leaf_variable(node) is None and has_node_hooks(node):
+                raise SplitBackwardError(
+                    f"a pre-hook or post hook is registered on {node.name()}, a weight-side node "
+                    "that a checkpointed op or a custom Function depending on a stage input sends "
+                    "into: B captures the gradient arriving there and W runs the node directly, "
+                    "so the hook would not run. Register a tensor hook on the tensor instead, or "
+                    "use stage_backward (fused). No gradient has changed."
+                )
         b_roots = [roots[i] for i in graph.input_side_outputs]
         if b_roots and inputs:
             target_leaves = [v for n, _ in targets if (v := leaf_variable(n)) is not None]
@@ -334,6 +354,14 @@ def _stage_backward_input(
                 "its backward can run only once, and a split backward keeps the graph from B "
                 "for W. Set torch._functorch.config.donated_buffer = False before compiling "
                 "(no parameter gradient has changed)."
+            ) from exc
+        if "_will_engine_execute_node" in str(exc):
+            raise SplitBackwardError(
+                "a torch.autograd.graph.register_multi_grad_hook(mode='all') on this stage's "
+                "tensors (also what FlopCounterMode and ModuleTracker register per module) cannot "
+                "run under torch.autograd.grad, which a split backward's B runs (torch's own B "
+                "fails the same way). Use stage_backward (fused) while such a hook or mode is "
+                "active. No parameter or input gradient has changed."
             ) from exc
         raise
     finally:
@@ -373,8 +401,12 @@ def _stage_backward_input(
         else:
             detach_output(t)
     recorded: list[Recorded] = []
+    at_nodes: dict[Node, list[torch.Tensor | None]] = {}
     for (node, nr), at_target in zip(targets, at_targets):
-        add_grad(sent, node, nr, at_target)
+        if leaf_variable(node) is not None:
+            add_grad(sent, node, nr, at_target)
+        else:  # the engine ran this node's tensor hooks at the capture: W calls it directly
+            at_nodes.setdefault(node, [None] * num_inputs(node))[nr] = at_target
     kept: list[Kept] = [(grad, node, nr) for (node, nr), grad in sent.items()]
     del sent
     for item in graph.intermediates:
@@ -387,6 +419,7 @@ def _stage_backward_input(
     handoff = WeightGradHandoff(
         recorded=recorded,
         kept=kept,
+        captured=[(node, tuple(grads)) for node, grads in at_nodes.items()],
         output_roots=[
             (roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
             for i in graph.weight_only_outputs
@@ -403,7 +436,7 @@ def _stage_backward_input(
     return tuple(dinputs), handoff
 
 
-def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
+def _weight_parts_in_b(graph: StageGraph, output_nodes: set[Node]) -> set[Intermediate]:
     """The intermediates whose weight-side gradients B computes, captured at their weight edges.
 
     A built-in intermediate whose saved tensors come back through saved-tensor
@@ -419,52 +452,78 @@ def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
         for item in graph.intermediates
         if not is_python_node(item.node) and has_hooked_saved(item.node)
     }
-    in_b, blocked = _closure(graph, checkpointed)
+    in_b, blocked = _closure(graph, checkpointed, output_nodes)
     if blocked is not None:
         raise SplitBackwardError(
-            f"a checkpointed {blocked.name()} on the weight side sends its gradient into the "
-            "same node as a checkpointed op that also depends on a stage input: B would run "
-            "it while capturing the latter. Use the weight inside the checkpointed region "
-            "through one op, or use stage_backward (fused). No gradient has changed."
+            f"{blocked} sends its gradient into a weight-side node that a checkpointed op "
+            "depending on a stage input also sends into: B must run that node's part with the "
+            "checkpointed op, and W would run it again. Use the weight inside the checkpointed "
+            "region through one op, or use stage_backward (fused). No gradient has changed."
         )
     custom = {item for item in graph.intermediates if is_python_node(item.node)} - in_b
     if custom:
-        with_custom, blocked = _closure(graph, in_b | custom)
-        # A weight-only node sending into a captured edge would run in B and
-        # again in W; then the custom nodes' weight-side results are summed by
-        # a hook during B instead (see _record_sent).
+        with_custom, blocked = _closure(graph, in_b | custom, output_nodes)
+        # Something on the weight side sending into a captured node would run
+        # in B and again in W; then the custom nodes' weight-side results are
+        # summed by a hook during B instead (see _record_sent).
         if blocked is None:
             in_b = with_custom
     return in_b
 
 
-def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermediate], Node | None]:
-    """``seed`` plus every intermediate sending into an edge it sends into (transitively).
+def _closure(
+    graph: StageGraph, seed: set[Intermediate], output_nodes: set[Node]
+) -> tuple[set[Intermediate], str | None]:
+    """``seed`` plus every intermediate sending into a node it sends into (transitively).
 
-    Also returns a weight-only node that sends into one of those edges (the
-    engine would run it in B, and W would run it again), or None.
+    B captures at every edge these send into; W calls each captured node that
+    is not a gradient accumulator directly on what B captured there (the engine
+    ran its tensor hooks at the capture). So nothing else may send into such a
+    node: the second value names a weight-only node or stage output that does
+    (None if none).
     """
     in_b = set(seed)
     if not in_b:
         return in_b, None
-    senders: dict[tuple[Node, int], list[Intermediate]] = {}
+    senders: dict[Node, list[Intermediate]] = {}
     for item in graph.intermediates:
         for e in item.weight_edges:
-            senders.setdefault((e.node, e.input_nr), []).append(item)
-    targets: set[tuple[Node, int]] = set()
+            senders.setdefault(e.node, []).append(item)
+    reached: set[Node] = set()
     pending = list(in_b)
     while pending:
         for e in pending.pop().weight_edges:
-            key = (e.node, e.input_nr)
-            if key not in targets:
-                targets.add(key)
-                joining = [item for item in senders[key] if item not in in_b]
+            if e.node not in reached:
+                reached.add(e.node)
+                joining = [item for item in senders[e.node] if item not in in_b]
                 in_b.update(joining)
                 pending.extend(joining)
+    # B's engine runs every node on a path from its roots to a captured edge:
+    # a weight-only node below an intermediate sending into one would run in
+    # B and again in W. One only a weight-only stage output reaches runs in W
+    # only, which is fine unless W calls its target directly.
+    below = _weight_side_of(graph)
+    called = {node for node in reached if leaf_variable(node) is None}
     for node in graph.weight_nodes:
-        if any((child, nr) in targets for child, nr in node.next_functions):
-            return in_b, node
+        into = called if node not in below else reached
+        if any(child in into for child, _ in node.next_functions):
+            return in_b, f"the weight-only {node.name()}"
+    for node in output_nodes & called:
+        return in_b, f"a stage output (through {node.name()})"
     return in_b, None
+
+
+def _weight_side_of(graph: StageGraph) -> set[Node]:
+    """Weight-only nodes reachable from an intermediate (B's engine may run them)."""
+    seen: set[Node] = set()
+    stack = [e.node for item in graph.intermediates for e in item.weight_edges]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return seen
 
 
 def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:

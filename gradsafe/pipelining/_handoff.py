@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._weight_pass import Kept, Recorded, deliver, leaf_grads
+from gradsafe.pipelining._weight_pass import Captured, Kept, Recorded, deliver, leaf_grads
 
 __all__ = [
     "HandoffState",
@@ -82,6 +82,7 @@ class WeightGradHandoff:
         *,
         recorded: Sequence[Recorded],
         kept: Sequence[Kept],
+        captured: Sequence[Captured],
         output_roots: Sequence[tuple[Node, int, torch.Tensor]],
         weight_nodes: Sequence[Node],
         leaf_nodes: Sequence[Node],
@@ -94,6 +95,7 @@ class WeightGradHandoff:
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
+        self._captured: tuple[Captured, ...] = tuple(captured)
         self._output_roots = tuple(output_roots)
         self._weight_nodes = tuple(weight_nodes)
         self._leaf_nodes = tuple(leaf_nodes)
@@ -198,17 +200,26 @@ class WeightGradHandoff:
                 # W takes the recorded nodes over and drops each once used.
                 recorded, self._recorded = list(self._recorded), ()
                 kept, self._kept = self._kept, ()
+                captured, self._captured = self._captured, ()
                 group, self._group = self._group, None
                 with contextlib.nullcontext() if group is None else group:
                     return leaf_grads(
                         recorded,
                         kept,
+                        captured,
                         self._output_roots,
                         self._weight_nodes,
                         self._leaf_nodes,
                         self._leaves,
                     )
-            except Exception as exc:
+            except RuntimeError as exc:  # torch's own errors; a hook's other exceptions pass as they are
+                if "donated_buffer" in str(exc):
+                    raise SplitBackwardError(
+                        "a torch.compile'd block on this stage's weight side donates its saved "
+                        "buffers (the default), so its backward cannot run with the graph "
+                        "retained, as W runs it. Set torch._functorch.config.donated_buffer = "
+                        "False before compiling (no parameter gradient has changed)."
+                    ) from exc
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
                     f"parameter's gradient ({type(exc).__name__}: "
@@ -255,6 +266,7 @@ class WeightGradHandoff:
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
         self._kept = ()
+        self._captured = ()
         self._group = None
         self._output_roots = ()
         self._weight_nodes = ()

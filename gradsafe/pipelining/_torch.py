@@ -6,10 +6,11 @@ undocumented lives here, so a torch release that changes it breaks one module
 and :func:`missing_feature` reports it before the patch is applied:
 
 - ``Node._input_metadata``: the shape/dtype/device each node input expects;
-- calling a built-in node directly (``node(*grads)``): runs its backward
-  formula without the engine, so no hooks run and nothing flows into other nodes;
-- ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks, all in one
-  dict (whether a user registered any besides gradsafe's);
+- calling a built-in node directly (``node(*grads)``) and a custom
+  ``autograd.Function`` node's ``apply``: runs its backward formula without
+  the engine, so no hooks run and nothing flows into other nodes;
+- ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks (pre-hooks),
+  all in one dict (whether a user registered any besides gradsafe's);
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
@@ -39,7 +40,10 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "call_node",
+    "has_node_hooks",
+    "num_inputs",
     "has_other_post_hooks",
+    "is_reentrant_checkpoint",
     "multi_grad_hook_cells",
     "current_exec_group",
     "exec_group",
@@ -114,27 +118,81 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
 
     ``autograd.grad`` runs a captured input's tensor hooks; B's capture is not
     the leaf's gradient yet (W delivers it, and its hooks run then, once).
-    The C++ hook reads the leaf's hook dict when called, so emptying the dict
-    silences them.
+    The C++ hook reads the leaf's hook dict when called, so replacing the
+    dict's hooks silences them.
     """
+    # Each hook is swapped for a no-op in place, so a hook removed meanwhile
+    # (its key deleted) stays removed and one added meanwhile stays.
     saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
     for leaf in leaves:
         hooks = leaf._backward_hooks
         if hooks:
             saved.append((hooks, list(hooks.items())))
-            hooks.clear()
+            for key in hooks:
+                hooks[key] = _no_hook
     try:
         yield
     finally:
         for hooks, items in saved:
-            hooks.update(items)
+            for key, hook in items:
+                if hooks.get(key) is _no_hook:
+                    hooks[key] = hook
+
+
+def num_inputs(node: Node) -> int:
+    """How many gradients ``node`` takes (one per output of its forward)."""
+    return len(node._input_metadata)  # type: ignore[attr-defined]
 
 
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-    """Run a built-in ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
-    result = node(*grads)  # type: ignore[operator]
-    # A node with one next edge returns a bare tensor (or None).
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    """Run ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
+    if not is_python_node(node):
+        result = node(*grads)  # type: ignore[operator]
+        # A node with one next edge returns a bare tensor (or None).
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    # The engine materializes missing gradients as zeros for a custom Function
+    # (unless it opted out; zeros are valid input either way).
+    full = [g if g is not None else _zeros(node, i) for i, g in enumerate(grads)]
+    result = node.apply(*full)  # type: ignore[attr-defined]
+    results = result if isinstance(result, tuple) else (result,)
+    needs: tuple[bool, ...] = tuple(node.needs_input_grad)  # type: ignore[attr-defined]
+    if len(results) != len(needs):
+        raise RuntimeError(
+            f"{node.name()}'s backward returned {len(results)} gradients for {len(needs)} forward "
+            "inputs."
+        )
+    # One next edge per tensor argument; those that require grad (valid edges)
+    # are exactly the arguments with needs_input_grad set, in order.
+    wanted = iter(r for r, need in zip(results, needs) if need)
+    return tuple(
+        next(wanted, None) if child is not None else None for child, _ in node.next_functions
+    )
+
+
+def _zeros(node: Node, input_nr: int) -> torch.Tensor:
+    shape, dtype, device = input_meta(node, input_nr)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def is_reentrant_checkpoint(node: Node) -> bool:
+    """Whether ``node`` is a reentrant ``torch.utils.checkpoint`` region's node (``use_reentrant=True``)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    return isinstance(node, getattr(CheckpointFunction, "_backward_cls", ()))
+
+
+def has_node_hooks(node: Node) -> bool:
+    """Whether ``node`` has Python pre-hooks or post hooks (``register_prehook`` / ``register_hook``)."""
+    probes = [node.register_hook(_no_hook), node.register_prehook(_no_hook)]
+    try:
+        return any(has_other_post_hooks(probe) for probe in probes)
+    finally:
+        for probe in probes:
+            probe.remove()
+
+
+def _no_hook(*args: object) -> None:
+    return None
 
 
 @functools.cache
@@ -153,10 +211,10 @@ def _multi_grad_hook_codes() -> frozenset[types.CodeType]:
 
 
 def has_other_post_hooks(handle: Any) -> bool:
-    """Whether the node a post hook was just registered on (``handle``) has other Python post hooks.
+    """Whether the node a hook was just registered on (``handle``) has other hooks of its kind.
 
-    A node keeps all its Python post hooks in one dict, which the handle of
-    each of them refers to.
+    A node keeps all its Python post hooks (and all its pre-hooks) in one
+    dict, which the handle of each of them refers to.
     """
     hooks = handle.hooks_dict_ref()
     return hooks is not None and len(hooks) > 1

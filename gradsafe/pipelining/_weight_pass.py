@@ -32,7 +32,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
 
-__all__ = ["EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
+__all__ = ["Captured", "EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
 
 EdgeKey = tuple[Node, int]
 #: An intermediate, the gradients that arrived at it in B, and its weight-side edges
@@ -42,6 +42,9 @@ Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, i
 #: whole), summed per edge, as (gradient, child node, child input number): W
 #: adds these and never calls those nodes again.
 Kept = tuple[torch.Tensor, Node, int]
+#: A weight-side node (not a gradient accumulator) and the gradients B captured
+#: at its inputs: the engine ran its tensor hooks then, so W calls it directly.
+Captured = tuple[Node, tuple[torch.Tensor | None, ...]]
 
 
 class GradSums(dict[EdgeKey, torch.Tensor]):
@@ -108,6 +111,7 @@ class _TaskScope(torch.autograd.Function):
 def leaf_grads(
     recorded: list[Recorded],
     kept: Sequence[Kept],
+    captured: Sequence[Captured],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
@@ -150,6 +154,10 @@ def leaf_grads(
         torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[arg-type]
         if failure:
             raise failure[0]
+    for node, at_inputs in captured:
+        for (child, input_nr), out in zip(node.next_functions, call_node(node, at_inputs)):
+            if child is not None:
+                add_grad(sums, child, input_nr, out)
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
         roots = list(sums.items())

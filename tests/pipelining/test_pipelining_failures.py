@@ -128,7 +128,7 @@ def test_freed_saved_tensors_detected_before_any_gradient_or_hook() -> None:
     hidden.sum().backward()  # another backward frees saved tensors W needs
     before = _grads(model)
     rec = Recorder(model)
-    with pytest.raises(SplitBackwardError, match="before changing any gradient"):
+    with pytest.raises(SplitBackwardError, match="before changing any parameter's gradient"):
         stage_backward_weight(model.parameters(), handoff)
     assert rec.events == [] and _unchanged(model, before)
     assert handoff.state is HandoffState.FAILED
