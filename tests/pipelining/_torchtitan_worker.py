@@ -139,7 +139,7 @@ def microbatches(dp_rank: int, vocab: int, batch: int, seq_len: int) -> list[tor
     ]
 
 
-def config(pp: int, dp: int, dump_folder: str) -> Any:
+def config(pp: int, dp: int, selective_ac: bool, dump_folder: str) -> Any:
     """``llama3_debugmodel()`` as torchtitan ships it, changed only where this test must.
 
     - 2 of its 6 transformer layers: with ZBV's 4 stages on PP 2, the layer split gives stage 0
@@ -176,6 +176,13 @@ def config(pp: int, dp: int, dump_folder: str) -> Any:
     parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
     parallelism.pipeline_parallel_microbatch_size = 1
     parallelism.data_parallel_shard_degree = dp
+    if dp > 1:
+        # With FSDP2 over 2 ranks, torchtitan's clipping scales every gradient ~4e-5 (relative)
+        # away from the single-process clipping, also without gradsafe and with a fused
+        # schedule (Interleaved1F1B): compare unclipped gradients there.
+        training.max_norm = float("inf")
+    if not selective_ac:
+        cfg.activation_checkpoint = None  # as torchtitan's own configs spell "no AC"
     cfg.validator.enable = False
     cfg.checkpoint.enable = False
     cfg.comm.init_timeout_seconds = 60
@@ -195,16 +202,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else t).detach().clone()
 
 
-def train(rank: int, port: str, mode: str, pp: int, dp: int, outdir: str) -> None:
+def train(rank: int, port: str, mode: str, pp: int, dp: int, ac: str, outdir: str) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp * dp),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
     )
     result: dict[str, Any] = {"steps": []}
     try:
-        cfg = config(pp, dp, outdir)
+        cfg = config(pp, dp, ac == "selective", outdir)
         trainer = cfg.build()
         parts = trainer.model_parts
+        from torch.distributed.fsdp import FSDPModule
+
+        # torchtitan sets FSDP2's gradient divide factor to 1 (it normalizes by token count),
+        # which FSDP2 reduces with ReduceOp.PREMUL_SUM: gloo has none, so sum and divide apart.
+        for part in parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
 
         def capture(optimizer: Any, args: Any, kwargs: Any) -> None:
             step: dict[str, dict[str, torch.Tensor | None]] = {"params": {}, "grads": {}}
@@ -233,7 +248,7 @@ def train(rank: int, port: str, mode: str, pp: int, dp: int, outdir: str) -> Non
 
 def reference(outdir: str, ranks: int, dp: int) -> None:
     """Per step: the same parameters, one unsplit model, gradient accumulation, same clipping."""
-    cfg = config(1, 1, outdir)
+    cfg = config(2, dp, False, outdir)  # the model, data and clipping of the training run
     model_config = cfg.model_spec.model
     model_config.update_from_config(config=cfg)
     with torch.device("cpu"):
@@ -271,8 +286,8 @@ def main() -> None:
     if sys.argv[1] == "reference":
         reference(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
-    rank, port, mode, pp, dp, outdir = sys.argv[1:7]
-    train(int(rank), port, mode, int(pp), int(dp), outdir)
+    rank, port, mode, pp, dp, ac, outdir = sys.argv[1:8]
+    train(int(rank), port, mode, int(pp), int(dp), ac, outdir)
 
 
 if __name__ == "__main__":
