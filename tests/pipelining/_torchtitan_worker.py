@@ -1,12 +1,13 @@
-"""torchtitan's own trainer, llama3 debug model, pipeline-parallel under a zero-bubble schedule.
+"""torchtitan's own trainer, llama3 debug model, pipeline-parallel under ScheduleZBVZeroBubble.
 
-Run by test_torchtitan.py. argv: rank port mode(gradsafe|upstream) pp dp outdir, or
-``reference outdir`` (one process, no process group).
+Run by test_torchtitan.py. argv: ``rank port mode(gradsafe|upstream) pp dp ac(selective|none)
+reshard(default|always|never) outdir``, or ``reference outdir ranks dp`` (one process, no
+process group).
 
 A training rank builds ``llama3_debugmodel()``'s ``Trainer`` with as few changes as make it run on
 CPU with gloo and compare in fp32 (see ``config()``), trains STEPS steps with ``trainer.train()``
-(under ``gradsafe.patch("pipelining")`` in gradsafe mode) and writes outdir/rank{r}.pt: for every
-step, the full parameters and the gradients the optimizer is about to apply (captured by an
+(inside ``with gradsafe.patch("pipelining"):`` in gradsafe mode) and writes outdir/rank{r}.pt: for
+every step, the full parameters and the gradients the optimizer is about to apply (captured by an
 optimizer step pre-hook, so after torchtitan's gradient clipping), or a crash message.
 
 The reference mode reads those files and, for every step, loads that step's parameters into one
@@ -15,11 +16,18 @@ forward + ``loss.backward()`` each (gradient accumulation, summed cross-entropy 
 token count, as torchtitan normalizes), clips with the same max norm and writes
 outdir/reference.pt with the gradients.
 
-Forcing CPU, the only thing no config option covers: torchtitan picks its device type once, at
-import (``torchtitan.tools.utils.get_device_info``: ``torch._utils._get_available_device_type()``
-or "cuda"), so ``_import_torchtitan`` makes that probe answer "cpu" while torchtitan is imported,
-then restores it. gloo follows: torchtitan's ``init_distributed`` takes the backend torch maps the
-device type to. Everything else is torchtitan's config.
+What no torchtitan option covers, done here instead:
+- CPU: torchtitan picks its device type and device module once, at import
+  (``torchtitan.tools.utils.get_device_info``: ``torch._utils._get_available_device_type()`` or
+  "cuda"), so ``_import_torchtitan`` makes torch's two probes answer "cpu" and a ``torch.cpu``
+  shim with the memory queries torchtitan's metrics make, only while torchtitan is imported.
+  gloo follows: ``init_distributed`` takes the backend torch maps the device type to.
+- gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for torchtitan's gradient divide factor
+  of 1 once there are 2 data-parallel ranks: the stages' FSDP modules are told
+  ``set_force_sum_reduction_for_comms(True)`` (torch's public FSDP2 API) after the build.
+- no tokenizer files or dataset (the wheel ships neither): a file-less tokenizer and a
+  dataloader of seeded random tokens, through torchtitan's own ``BaseTokenizer`` /
+  ``BaseDataLoader`` extension points.
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ def _import_torchtitan() -> Any:
 
     probes = torch._utils._get_available_device_type, torch._utils._get_device_module
     torch._utils._get_available_device_type = lambda: "cpu"
-    torch._utils._get_device_module = lambda device_type: _cpu_device_module()
+    torch._utils._get_device_module = lambda device_type: _cpu_device_module()  # type: ignore[assignment]
     try:
         import torchtitan.tools.utils
         from torchtitan.models.llama3 import config_registry
@@ -73,7 +81,7 @@ def _import_torchtitan() -> Any:
     return config_registry
 
 
-def _components() -> tuple[type, type]:
+def _components() -> tuple[Any, Any]:
     """A tokenizer that needs no files and a dataloader of seeded random tokens (no dataset).
 
     Both are torchtitan's own extension points (``BaseTokenizer``, ``BaseDataLoader``).
@@ -139,7 +147,7 @@ def microbatches(dp_rank: int, vocab: int, batch: int, seq_len: int) -> list[tor
     ]
 
 
-def config(pp: int, dp: int, selective_ac: bool, dump_folder: str) -> Any:
+def config(pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str) -> Any:
     """``llama3_debugmodel()`` as torchtitan ships it, changed only where this test must.
 
     - 2 of its 6 transformer layers: with ZBV's 4 stages on PP 2, the layer split gives stage 0
@@ -147,11 +155,12 @@ def config(pp: int, dp: int, selective_ac: bool, dump_folder: str) -> Any:
     - eager attention (``ScaledDotProductAttention``, causal) instead of FlexAttention, whose
       backward refuses CPU; positions are then not needed (the dataloader yields none).
     - fp32 FSDP2 compute (``mixed_precision_param``), so the comparison can be tight.
-    - ZBV schedule, PP degree, short sequences, microbatch size 1, STEPS steps, no validation,
-      no checkpoints, no CUDA graphs, files only under ``dump_folder``.
-    Kept as shipped: FSDP2 on every stage (reshard policy "default"), selective activation
-    checkpointing, the chunked cross-entropy loss (lm_head applied in the loss), AdamW with
-    warmup, gradient clipping at 1.0.
+    - ZBV schedule, PP and FSDP degrees, short sequences, microbatch size 1, STEPS steps, no
+      validation, no checkpoints, no CUDA graphs, files only under ``dump_folder``.
+    - as the caller asks: no activation checkpointing, another FSDP2 reshard policy.
+    Kept as shipped: FSDP2 on every stage, selective activation checkpointing, the chunked
+    cross-entropy loss (lm_head applied in the loss), AdamW with warmup, gradient clipping at 1.0
+    (but see dp > 1 below).
     """
     config_registry = _import_torchtitan()
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -181,6 +190,7 @@ def config(pp: int, dp: int, selective_ac: bool, dump_folder: str) -> Any:
         # away from the single-process clipping, also without gradsafe and with a fused
         # schedule (Interleaved1F1B): compare unclipped gradients there.
         training.max_norm = float("inf")
+    parallelism.fsdp_reshard_after_forward = reshard
     if not selective_ac:
         cfg.activation_checkpoint = None  # as torchtitan's own configs spell "no AC"
     cfg.validator.enable = False
@@ -202,20 +212,20 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else t).detach().clone()
 
 
-def train(rank: int, port: str, mode: str, pp: int, dp: int, ac: str, outdir: str) -> None:
+def train(rank: int, port: str, mode: str, pp: int, dp: int, ac: str, reshard: str, outdir: str) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp * dp),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
     )
     result: dict[str, Any] = {"steps": []}
     try:
-        cfg = config(pp, dp, ac == "selective", outdir)
+        cfg = config(pp, dp, ac == "selective", reshard, outdir)
         trainer = cfg.build()
         parts = trainer.model_parts
         from torch.distributed.fsdp import FSDPModule
 
         # torchtitan sets FSDP2's gradient divide factor to 1 (it normalizes by token count),
-        # which FSDP2 reduces with ReduceOp.PREMUL_SUM: gloo has none, so sum and divide apart.
+        # which FSDP2 reduces with ReduceOp.PREMUL_SUM: gloo has none.
         for part in parts:
             for module in part.modules():
                 if isinstance(module, FSDPModule):
@@ -248,7 +258,7 @@ def train(rank: int, port: str, mode: str, pp: int, dp: int, ac: str, outdir: st
 
 def reference(outdir: str, ranks: int, dp: int) -> None:
     """Per step: the same parameters, one unsplit model, gradient accumulation, same clipping."""
-    cfg = config(2, dp, False, outdir)  # the model, data and clipping of the training run
+    cfg = config(2, dp, False, "default", outdir)  # the training run's model, data, clipping
     model_config = cfg.model_spec.model
     model_config.update_from_config(config=cfg)
     with torch.device("cpu"):
@@ -286,8 +296,8 @@ def main() -> None:
     if sys.argv[1] == "reference":
         reference(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
-    rank, port, mode, pp, dp, ac, outdir = sys.argv[1:8]
-    train(int(rank), port, mode, int(pp), int(dp), ac, outdir)
+    rank, port, mode, pp, dp, ac, reshard, outdir = sys.argv[1:9]
+    train(int(rank), port, mode, int(pp), int(dp), ac, reshard, outdir)
 
 
 if __name__ == "__main__":
