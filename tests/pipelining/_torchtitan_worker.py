@@ -186,9 +186,10 @@ def config(pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str)
     parallelism.pipeline_parallel_microbatch_size = 1
     parallelism.data_parallel_shard_degree = dp
     if dp > 1:
-        # With FSDP2 over 2 ranks, torchtitan's clipping scales every gradient ~4e-5 (relative)
-        # away from the single-process clipping, also without gradsafe and with a fused
-        # schedule (Interleaved1F1B): compare unclipped gradients there.
+        # With FSDP2 over 2 ranks, torchtitan's gradient norm is ~4e-5 (relative) above the
+        # single-process one, so clipping scales every gradient that much differently; also
+        # without gradsafe, with a fused schedule (Interleaved1F1B) and without pipelining
+        # (PP 1). Not this test's subject: compare unclipped gradients there.
         training.max_norm = float("inf")
     parallelism.fsdp_reshard_after_forward = reshard
     if not selective_ac:

@@ -9,8 +9,9 @@ chunked cross-entropy loss (lm_head applied inside the loss, which reshards ``[n
 after its forward), AdamW, gradient clipping; and once without AC but with
 ``fsdp_reshard_after_forward="always"``. Every step's gradients, as the optimizer receives them,
 are compared with one unsplit, unsharded model run on the same parameters and microbatches by
-plain gradient accumulation. (With 2 FSDP ranks, clipping is switched off: torchtitan's clipping
-there differs from the single-process one by ~4e-5 relative also without gradsafe.)
+plain gradient accumulation. (With 2 FSDP ranks, clipping is switched off: torchtitan's gradient
+norm there is ~4e-5 (relative) above the single-process one, also without gradsafe and without
+pipelining.)
 
 Tolerance, fp32: atol 1e-6, rtol 1e-5 (gradients up to ~0.05; measured max abs error 1.1e-8).
 
