@@ -54,6 +54,8 @@ def tests(session: nox.Session, torch: str) -> None:
     session.install(f"torch=={torch}", ".")
     session.run("gradsafe", "doctor")
     session.install(f"torch=={torch}", ".[test]")
+    if torch == "2.15.0":  # torchtitan 0.3.0 needs torch >= 2.14: its ZBV trainer, end to end
+        session.install(f"torch=={torch}", ".[test,torchtitan]")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
