@@ -311,11 +311,6 @@ def test_weight_only_hook_exception_keeps_its_type() -> None:
 # --- 5. checkpointing and the weight-only side ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review2 #10: a checkpointed stage with an L2 term on its weights (or a tied w.t()) is "
-    "refused as 'a checkpointed PowBackward0 on the weight side' -- the op is not checkpointed",
-)
 def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
     """Severity: CRASH (false refusal) with a MISLEADING ERROR; predates c381e72.
 
@@ -453,11 +448,6 @@ def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
     _assert_same(forward)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review2 #15: under save_on_cpu() a tied weight (h @ w.t() after x @ w) is refused "
-    "as 'a checkpointed TBackward0' although nothing is checkpointed",
-)
 def test_tied_weight_under_save_on_cpu() -> None:
     """Severity: CRASH (false refusal) with a MISLEADING ERROR. Finding #10's refusal, reached
     without checkpointing: with activation offloading every intermediate is "checkpointed" to
