@@ -211,8 +211,11 @@ def stage_backward_input(
         ``(dinputs, handoff)``: ``dinputs[i]`` is the gradient of ``input_values[i]``
         (None for non-tensors, inputs not requiring grad, or unused ones; it is also
         accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
-        single-use hand-off W needs. No weight gradient is computed here and no
-        parameter hook runs. Like torch's B, the outputs are detached in place,
+        single-use hand-off W needs. No parameter hook runs here, and weight
+        gradients are computed only where W cannot compute them: for
+        checkpointed or offloaded ops and custom Functions that depend on a
+        stage input, with the weight side they reach (kept for W, which
+        delivers them). Like torch's B, the outputs are detached in place,
         except those another node of the stage consumes (a node W calls may
         have saved one): W detaches those.
 
@@ -273,9 +276,9 @@ def _stage_backward_input(
         if is_reentrant_checkpoint(node):
             raise SplitBackwardError(
                 "a torch.utils.checkpoint region with use_reentrant=True is on this stage's "
-                "weight side; its backward refuses torch.autograd.grad, which W runs it under. "
-                "Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), or "
-                "stage_backward (fused). No gradient has changed."
+                "weight side; its backward refuses torch.autograd.grad, which B or W runs it "
+                "under. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
+                "or stage_backward (fused). No gradient has changed."
             )
     in_b, in_k = _weight_parts_in_b(graph)
     k_leaves = [n for n in graph.leaves if n in in_k]
