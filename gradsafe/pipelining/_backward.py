@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from gradsafe.pipelining._graph import Intermediate, StageGraph, WeightEdge, analyze
+from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
 from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
@@ -30,7 +30,6 @@ from gradsafe.pipelining._torch import (
     current_exec_group,
     exec_group,
     has_hooked_saved,
-    has_node_hooks,
     has_other_post_hooks,
     is_reentrant_checkpoint,
     multi_grad_hook_cells,
@@ -41,9 +40,8 @@ from gradsafe.pipelining._torch import (
     is_view,
     leaf_variable,
     missing_feature,
-    num_inputs,
 )
-from gradsafe.pipelining._weight_pass import GradSums, Kept, Recorded, add_grad
+from gradsafe.pipelining._weight_pass import Kept, Recorded
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -158,15 +156,6 @@ def _record(
     store[node] = tuple(grad_outputs)
 
 
-def _record_sent(
-    sums: GradSums, edges: tuple[WeightEdge, ...], sent: Any, arrived: Any
-) -> None:
-    # Summed per edge as they come: a Function applied at many sites keeps
-    # one gradient per weight edge, not one per call.
-    for e in edges:
-        add_grad(sums, e.node, e.input_nr, sent[e.output_index])
-
-
 def _tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
     items = list(values)
     for index, item in enumerate(items):
@@ -222,8 +211,11 @@ def stage_backward_input(
         ``(dinputs, handoff)``: ``dinputs[i]`` is the gradient of ``input_values[i]``
         (None for non-tensors, inputs not requiring grad, or unused ones; it is also
         accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
-        single-use hand-off W needs. No weight gradient is computed here and no
-        parameter hook runs. Like torch's B, the outputs are detached in place,
+        single-use hand-off W needs. No parameter hook runs here, and weight
+        gradients are computed only where W cannot compute them: for
+        checkpointed or offloaded ops and custom Functions that depend on a
+        stage input, with the weight side they reach (kept for W, which
+        delivers them). Like torch's B, the outputs are detached in place,
         except those another node of the stage consumes (a node W calls may
         have saved one): W detaches those.
 
@@ -284,33 +276,25 @@ def _stage_backward_input(
         if is_reentrant_checkpoint(node):
             raise SplitBackwardError(
                 "a torch.utils.checkpoint region with use_reentrant=True is on this stage's "
-                "weight side; its backward refuses torch.autograd.grad, which W runs it under. "
-                "Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), or "
-                "stage_backward (fused). No gradient has changed."
+                "weight side; its backward refuses torch.autograd.grad, which B or W runs it "
+                "under. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
+                "or stage_backward (fused). No gradient has changed."
             )
-    in_b = _weight_parts_in_b(graph, {roots[i].edge.node for i in graph.weight_only_outputs})
-    targets = list(dict.fromkeys((e.node, e.input_nr) for item in in_b for e in item.weight_edges))
+    in_b, in_k = _weight_parts_in_b(graph)
+    k_leaves = [n for n in graph.leaves if n in in_k]
+    k_outputs = {i for i in graph.weight_only_outputs if roots[i].edge.node in in_k}
     group = _group_for(graph, in_b)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    sent = GradSums()
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
-    at_targets: Sequence[torch.Tensor | None] = ()
+    at_leaves: Sequence[torch.Tensor | None] = ()
     handles: list[Any] = []
     try:
-        # A custom Function's backward (a compiled block's too) computes all its
-        # gradients at once and may have side effects (e.g. adding into
-        # main_grad): B runs it, so keep what it sends to the weight side and
-        # never call it again. A built-in node is called again in W for its
-        # weight part, unless it is in `in_b`: then B captures its weight-side
-        # gradients.
+        # A built-in intermediate outside `in_b` is called again in W for its
+        # weight part, on what arrived at it in B: record that. Those in
+        # `in_b`, and the weight side below them (`in_k`), run once, in B.
         for item in graph.intermediates:
             if item in in_b:
-                continue
-            if is_python_node(item.node):
-                handles.append(
-                    item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
-                )
                 continue
             handle = item.node.register_hook(functools.partial(_record, captured, item.node))
             handles.append(handle)
@@ -324,29 +308,23 @@ def _stage_backward_input(
                     "activation or the parameter, or Module.register_full_backward_hook, instead; "
                     "or use stage_backward (fused). No gradient has changed."
                 )
-        for node in dict.fromkeys(n for n, _ in targets):
-            if leaf_variable(node) is None and has_node_hooks(node):
-                raise SplitBackwardError(
-                    f"a pre-hook or post hook is registered on {node.name()}, a weight-side node "
-                    "that a checkpointed op or a custom Function depending on a stage input sends "
-                    "into: B captures the gradient arriving there and W runs the node directly, "
-                    "so the hook would not run. Register a tensor hook on the tensor instead, or "
-                    "use stage_backward (fused). No gradient has changed."
-                )
-        b_roots = [roots[i] for i in graph.input_side_outputs]
+        # A weight-only output whose node is in `in_k` is one of B's roots, so
+        # that node gets its whole gradient in B. The accumulators in `in_k`
+        # are captured, not run: their gradients go to W's delivery, and their
+        # tensor hooks (which the engine runs at a capture) run there, once.
+        b_roots = [roots[i] for i in (*graph.input_side_outputs, *sorted(k_outputs))]
         if b_roots and inputs:
-            target_leaves = [v for n, _ in targets if (v := leaf_variable(n)) is not None]
-            with _entered(group), silenced_tensor_hooks(target_leaves):
+            with _entered(group), silenced_tensor_hooks([graph.leaves[n] for n in k_leaves]):
                 grads = torch.autograd.grad(
                     [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
-                    [t for _, t in inputs] + [GradientEdge(n, nr) for n, nr in targets],  # type: ignore[operator, misc]
+                    [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],  # type: ignore[operator, misc]
                     [r.grad for r in b_roots],
                     retain_graph=True,  # W still needs the saved tensors of the intermediates
                     allow_unused=True,
                 )
             for (i, _), grad in zip(inputs, grads):
                 dinputs[i] = grad
-            at_targets = grads[len(inputs) :]
+            at_leaves = grads[len(inputs) :]
     except RuntimeError as exc:
         if "donated_buffer" in str(exc):
             raise SplitBackwardError(
@@ -380,7 +358,8 @@ def _stage_backward_input(
 
     tensors = [r.tensor for r in roots if r.tensor is not None]
     keep: list[torch.Tensor] = []
-    if any(is_python_node(n) for n in (*captured, *graph.weight_nodes)):
+    w_nodes = [n for n in graph.weight_nodes if n not in in_k]
+    if any(is_python_node(n) for n in w_nodes):
         # A custom Function's node is kept alive only by its C++ parents, and
         # the outputs may be detached before W: a view of each output is a C++
         # node that owns the graph until W ends.
@@ -401,16 +380,9 @@ def _stage_backward_input(
         else:
             detach_output(t)
     recorded: list[Recorded] = []
-    at_nodes: dict[Node, list[torch.Tensor | None]] = {}
-    for (node, nr), at_target in zip(targets, at_targets):
-        if leaf_variable(node) is not None:
-            add_grad(sent, node, nr, at_target)
-        else:  # the engine ran this node's tensor hooks at the capture: W calls it directly
-            at_nodes.setdefault(node, [None] * num_inputs(node))[nr] = at_target
-    kept: list[Kept] = [(grad, node, nr) for (node, nr), grad in sent.items()]
-    del sent
+    kept: list[Kept] = [(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None]
     for item in graph.intermediates:
-        if item in in_b or is_python_node(item.node):
+        if item in in_b:
             continue
         arrived = captured.get(item.node, ())
         if any(g is not None for g in arrived):
@@ -419,12 +391,12 @@ def _stage_backward_input(
     handoff = WeightGradHandoff(
         recorded=recorded,
         kept=kept,
-        captured=[(node, tuple(grads)) for node, grads in at_nodes.items()],
         output_roots=[
             (roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
             for i in graph.weight_only_outputs
+            if i not in k_outputs
         ],
-        weight_nodes=graph.weight_nodes,
+        weight_nodes=w_nodes,
         leaf_nodes=list(graph.leaves),
         leaves=list(graph.leaves.values()),
         owners=owners,
@@ -436,94 +408,60 @@ def _stage_backward_input(
     return tuple(dinputs), handoff
 
 
-def _weight_parts_in_b(graph: StageGraph, output_nodes: set[Node]) -> set[Intermediate]:
-    """The intermediates whose weight-side gradients B computes, captured at their weight edges.
+def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]:
+    """The intermediates B runs whole, and ``K``: the weight side B computes with them.
 
-    A built-in intermediate whose saved tensors come back through saved-tensor
-    hooks (a checkpointed region) may unpack them once per checkpoint group,
-    so W cannot call it again: it must be in B. A custom Function's node runs
-    whole in B anyway; capturing its weight edges lets the engine sum what it
-    sends there (in place, like a fused backward) instead of a Python hook
-    per call. Every intermediate sending into a captured edge joins (the
-    capture sums them all).
+    A custom Function's node computes all its gradients in one call (B runs
+    it, so W must not again), and a built-in intermediate whose saved tensors
+    come back through saved-tensor hooks (checkpointing, offloading) may
+    unpack them once per checkpoint group: W cannot call either. ``K`` is
+    every weight-side node (accumulators included) below their weight edges,
+    closed so that nothing outside it sends into it: an intermediate with a
+    weight edge into ``K`` joins them (and what lies below its weight edges
+    joins ``K``), and so does a weight-only node with a child in ``K``. B's
+    engine then runs each node of ``K`` once, with its complete gradient, and
+    W runs none of them; nothing W runs reaches ``K``.
     """
-    checkpointed = {
+    in_b = {
         item
         for item in graph.intermediates
-        if not is_python_node(item.node) and has_hooked_saved(item.node)
+        if is_python_node(item.node) or has_hooked_saved(item.node)
     }
-    in_b, blocked = _closure(graph, checkpointed, output_nodes)
-    if blocked is not None:
-        raise SplitBackwardError(
-            f"{blocked} sends its gradient into a weight-side node that a checkpointed op "
-            "depending on a stage input also sends into: B must run that node's part with the "
-            "checkpointed op, and W would run it again. Use the weight inside the checkpointed "
-            "region through one op, or use stage_backward (fused). No gradient has changed."
-        )
-    custom = {item for item in graph.intermediates if is_python_node(item.node)} - in_b
-    if custom:
-        with_custom, blocked = _closure(graph, in_b | custom, output_nodes)
-        # Something on the weight side sending into a captured node would run
-        # in B and again in W; then the custom nodes' weight-side results are
-        # summed by a hook during B instead (see _record_sent).
-        if blocked is None:
-            in_b = with_custom
-    return in_b
-
-
-def _closure(
-    graph: StageGraph, seed: set[Intermediate], output_nodes: set[Node]
-) -> tuple[set[Intermediate], str | None]:
-    """``seed`` plus every intermediate sending into a node it sends into (transitively).
-
-    B captures at every edge these send into; W calls each captured node that
-    is not a gradient accumulator directly on what B captured there (the engine
-    ran its tensor hooks at the capture). So nothing else may send into such a
-    node: the second value names a weight-only node or stage output that does
-    (None if none).
-    """
-    in_b = set(seed)
+    in_k: set[Node] = set()
     if not in_b:
-        return in_b, None
+        return in_b, in_k
     senders: dict[Node, list[Intermediate]] = {}
     for item in graph.intermediates:
         for e in item.weight_edges:
             senders.setdefault(e.node, []).append(item)
-    reached: set[Node] = set()
-    pending = list(in_b)
-    while pending:
-        for e in pending.pop().weight_edges:
-            if e.node not in reached:
-                reached.add(e.node)
-                joining = [item for item in senders[e.node] if item not in in_b]
-                in_b.update(joining)
-                pending.extend(joining)
-    # B's engine runs every node on a path from its roots to a captured edge:
-    # a weight-only node below an intermediate sending into one would run in
-    # B and again in W. One only a weight-only stage output reaches runs in W
-    # only, which is fine unless W calls its target directly.
-    below = _weight_side_of(graph)
-    called = {node for node in reached if leaf_variable(node) is None}
+    parents: dict[Node, list[Node]] = {}
     for node in graph.weight_nodes:
-        into = called if node not in below else reached
-        if any(child in into for child, _ in node.next_functions):
-            return in_b, f"the weight-only {node.name()}"
-    for node in output_nodes & called:
-        return in_b, f"a stage output (through {node.name()})"
-    return in_b, None
-
-
-def _weight_side_of(graph: StageGraph) -> set[Node]:
-    """Weight-only nodes reachable from an intermediate (B's engine may run them)."""
-    seen: set[Node] = set()
-    stack = [e.node for item in graph.intermediates for e in item.weight_edges]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-    return seen
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+    items = list(in_b)
+    nodes: list[Node] = []
+    while items or nodes:
+        while items:
+            for e in items.pop().weight_edges:
+                if e.node not in in_k:
+                    in_k.add(e.node)
+                    nodes.append(e.node)
+        while nodes:
+            node = nodes.pop()
+            for child, _ in node.next_functions:
+                if child is not None and child not in in_k:
+                    in_k.add(child)
+                    nodes.append(child)
+            for parent in parents.get(node, ()):
+                if parent not in in_k:
+                    in_k.add(parent)
+                    nodes.append(parent)
+            for item in senders.get(node, ()):
+                if item not in in_b:
+                    in_b.add(item)
+                    items.append(item)
+    return in_b, in_k
 
 
 def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:

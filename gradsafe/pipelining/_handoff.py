@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._weight_pass import Captured, Kept, Recorded, deliver, leaf_grads
+from gradsafe.pipelining._weight_pass import Kept, Recorded, deliver, leaf_grads
 
 __all__ = [
     "HandoffState",
@@ -82,7 +82,6 @@ class WeightGradHandoff:
         *,
         recorded: Sequence[Recorded],
         kept: Sequence[Kept],
-        captured: Sequence[Captured],
         output_roots: Sequence[tuple[Node, int, torch.Tensor]],
         weight_nodes: Sequence[Node],
         leaf_nodes: Sequence[Node],
@@ -95,7 +94,6 @@ class WeightGradHandoff:
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
-        self._captured: tuple[Captured, ...] = tuple(captured)
         self._output_roots = tuple(output_roots)
         self._weight_nodes = tuple(weight_nodes)
         self._leaf_nodes = tuple(leaf_nodes)
@@ -118,7 +116,7 @@ class WeightGradHandoff:
         self.num_nodes = num_nodes
         #: Input-dependent nodes whose weight-side gradients W computes.
         self.num_intermediates = len(self._recorded)
-        #: Weight-side edges whose gradient B already computed and kept for W.
+        #: Parameters (leaves) whose gradient B already computed and kept for W.
         self.num_kept = len(self._kept)
         #: Bytes of those kept gradients, held from B until W.
         self.kept_bytes = sum(g.numel() * g.element_size() for g, _, _ in self._kept)
@@ -200,13 +198,11 @@ class WeightGradHandoff:
                 # W takes the recorded nodes over and drops each once used.
                 recorded, self._recorded = list(self._recorded), ()
                 kept, self._kept = self._kept, ()
-                captured, self._captured = self._captured, ()
                 group, self._group = self._group, None
                 with contextlib.nullcontext() if group is None else group:
                     return leaf_grads(
                         recorded,
                         kept,
-                        captured,
                         self._output_roots,
                         self._weight_nodes,
                         self._leaf_nodes,
@@ -266,7 +262,6 @@ class WeightGradHandoff:
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
         self._kept = ()
-        self._captured = ()
         self._group = None
         self._output_roots = ()
         self._weight_nodes = ()

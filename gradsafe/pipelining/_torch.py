@@ -6,11 +6,11 @@ undocumented lives here, so a torch release that changes it breaks one module
 and :func:`missing_feature` reports it before the patch is applied:
 
 - ``Node._input_metadata``: the shape/dtype/device each node input expects;
-- calling a built-in node directly (``node(*grads)``) and a custom
-  ``autograd.Function`` node's ``apply``: runs its backward formula without
-  the engine, so no hooks run and nothing flows into other nodes;
-- ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks (pre-hooks),
-  all in one dict (whether a user registered any besides gradsafe's);
+- calling a built-in node directly (``node(*grads)``): runs its backward
+  formula without the engine, so no hooks run and nothing flows into other
+  nodes;
+- ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks, all in one
+  dict (whether a user registered any besides gradsafe's);
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
@@ -40,8 +40,6 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "call_node",
-    "has_node_hooks",
-    "num_inputs",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
     "multi_grad_hook_cells",
@@ -139,39 +137,11 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
                     hooks[key] = hook
 
 
-def num_inputs(node: Node) -> int:
-    """How many gradients ``node`` takes (one per output of its forward)."""
-    return len(node._input_metadata)  # type: ignore[attr-defined]
-
-
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-    """Run ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
-    if not is_python_node(node):
-        result = node(*grads)  # type: ignore[operator]
-        # A node with one next edge returns a bare tensor (or None).
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    # The engine materializes missing gradients as zeros for a custom Function
-    # (unless it opted out; zeros are valid input either way).
-    full = [g if g is not None else _zeros(node, i) for i, g in enumerate(grads)]
-    result = node.apply(*full)  # type: ignore[attr-defined]
-    results = result if isinstance(result, tuple) else (result,)
-    needs: tuple[bool, ...] = tuple(node.needs_input_grad)  # type: ignore[attr-defined]
-    if len(results) != len(needs):
-        raise RuntimeError(
-            f"{node.name()}'s backward returned {len(results)} gradients for {len(needs)} forward "
-            "inputs."
-        )
-    # One next edge per tensor argument; those that require grad (valid edges)
-    # are exactly the arguments with needs_input_grad set, in order.
-    wanted = iter(r for r, need in zip(results, needs) if need)
-    return tuple(
-        next(wanted, None) if child is not None else None for child, _ in node.next_functions
-    )
-
-
-def _zeros(node: Node, input_nr: int) -> torch.Tensor:
-    shape, dtype, device = input_meta(node, input_nr)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    """Run a built-in ``node``'s backward on ``grads`` without the engine: one entry per next edge."""
+    result = node(*grads)  # type: ignore[operator]
+    # A node with one next edge returns a bare tensor (or None).
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
 def is_reentrant_checkpoint(node: Node) -> bool:
@@ -179,16 +149,6 @@ def is_reentrant_checkpoint(node: Node) -> bool:
     from torch.utils.checkpoint import CheckpointFunction
 
     return isinstance(node, getattr(CheckpointFunction, "_backward_cls", ()))
-
-
-def has_node_hooks(node: Node) -> bool:
-    """Whether ``node`` has Python pre-hooks or post hooks (``register_prehook`` / ``register_hook``)."""
-    probes = [node.register_hook(_no_hook), node.register_prehook(_no_hook)]
-    try:
-        return any(has_other_post_hooks(probe) for probe in probes)
-    finally:
-        for probe in probes:
-            probe.remove()
 
 
 def _no_hook(*args: object) -> None:

@@ -32,19 +32,16 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
 
-__all__ = ["Captured", "EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
+__all__ = ["EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
 
 EdgeKey = tuple[Node, int]
 #: An intermediate, the gradients that arrived at it in B, and its weight-side edges
 #: as (output index, child node, child input number).
 Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, int], ...]]
-#: Gradients B already sent into weight-side edges (from nodes B had to run
-#: whole), summed per edge, as (gradient, child node, child input number): W
-#: adds these and never calls those nodes again.
+#: A leaf's gradient B already computed (the weight side it ran whole), as
+#: (gradient, accumulator node, input number): W adds it to the leaf's total
+#: and never runs the nodes it came from again.
 Kept = tuple[torch.Tensor, Node, int]
-#: A weight-side node (not a gradient accumulator) and the gradients B captured
-#: at its inputs: the engine ran its tensor hooks then, so W calls it directly.
-Captured = tuple[Node, tuple[torch.Tensor | None, ...]]
 
 
 class GradSums(dict[EdgeKey, torch.Tensor]):
@@ -111,7 +108,6 @@ class _TaskScope(torch.autograd.Function):
 def leaf_grads(
     recorded: list[Recorded],
     kept: Sequence[Kept],
-    captured: Sequence[Captured],
     output_roots: Sequence[tuple[Node, int, torch.Tensor]],
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
@@ -154,10 +150,6 @@ def leaf_grads(
         torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[arg-type]
         if failure:
             raise failure[0]
-    for node, at_inputs in captured:
-        for (child, input_nr), out in zip(node.next_functions, call_node(node, at_inputs)):
-            if child is not None:
-                add_grad(sums, child, input_nr, out)
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
         roots = list(sums.items())

@@ -132,8 +132,9 @@ def test_custom_function_backward_runs_once(hooks: bool, main_grad: bool) -> Non
 
 
 class SharedTranspose(torch.nn.Module):
-    """A custom Function and a weight-only op both consume ``w.t()``: the node B captures at
-    (``w.t()``'s) also gets a gradient from a node only W runs."""
+    """A custom Function and a weight-only op both consume ``w.t()``: ``w.t()``'s node, below
+    the custom Function's weight edge, also gets a gradient from the weight-only ``wt * wt``,
+    which B therefore computes with it."""
 
     def __init__(self, counts: Counts) -> None:
         super().__init__()

@@ -3,18 +3,19 @@ B refuses node post hooks on intermediates and multi-grad hooks spanning an inpu
 parameter), each a minimal reproduction against a fused backward in fp64; the docstring states
 its severity. Fixed ones are plain regression tests; open ones stay strict xfails.
 
-Fixed: #1 and #14, #18 (a node B captures at is called directly in W: its tensor hooks and
-retain_grad ran once, at the capture); #3, #13 (B's torch-internal multi-grad error becomes a
-SplitBackwardError); #9 (a hook's non-RuntimeError passes through W unchanged); #11 (reentrant
-checkpoint on the weight side refused at B); #17 (hooks are silenced by swapping in no-ops, so a
-removal sticks); #19 (donated buffers on the weight side: SplitBackwardError naming the fix,
-before any gradient changes; exact with donated_buffer=False).
+Fixed: #1 and #14, #18, #10, #15 (B computes the weight side that checkpointed/offloaded ops
+and custom Functions reach, closed over everything else sending into it, whole and once: its
+tensor hooks and retain_grad run once, in B, and nothing is refused); #3, #13 (B's
+torch-internal multi-grad error becomes a SplitBackwardError); #9 (a hook's non-RuntimeError
+passes through W unchanged); #11 (reentrant checkpoint on the weight side refused at B); #17
+(hooks are silenced by swapping in no-ops, so a removal sticks); #19 (donated buffers on the
+weight side: SplitBackwardError naming the fix, before any gradient changes; exact with
+donated_buffer=False).
 
 Open (documented in docs/pipelining.md, Hooks and Limitations): #2, #4, #5, #6 multi-grad hooks
-over a non-leaf tensor and an input/parameter; #7, #8 hooks registered by hooks during B/W;
-#10, #15 a weight-only node sending into an edge B captures is refused (clear error, but a
-fused backward works); #12 B's dx aliases a W root (a weight-only hook mutating in place changes
-it); #16 callbacks queued from W's weight-only pass run before delivery.
+over a non-leaf tensor and an input/parameter; #7, #8 hooks registered by hooks during B/W; #12
+B's dx aliases a W root (a weight-only hook mutating in place changes it); #16 callbacks queued
+from W's weight-only pass run before delivery.
 """
 
 from __future__ import annotations
@@ -311,11 +312,6 @@ def test_weight_only_hook_exception_keeps_its_type() -> None:
 # --- 5. checkpointing and the weight-only side ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review2 #10: a checkpointed stage with an L2 term on its weights (or a tied w.t()) is "
-    "refused as 'a checkpointed PowBackward0 on the weight side' -- the op is not checkpointed",
-)
 def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
     """Severity: CRASH (false refusal) with a MISLEADING ERROR; predates c381e72.
 
@@ -453,11 +449,6 @@ def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
     _assert_same(forward)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review2 #15: under save_on_cpu() a tied weight (h @ w.t() after x @ w) is refused "
-    "as 'a checkpointed TBackward0' although nothing is checkpointed",
-)
 def test_tied_weight_under_save_on_cpu() -> None:
     """Severity: CRASH (false refusal) with a MISLEADING ERROR. Finding #10's refusal, reached
     without checkpointing: with activation offloading every intermediate is "checkpointed" to
