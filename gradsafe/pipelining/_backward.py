@@ -29,6 +29,7 @@ from gradsafe.pipelining._handoff import (
 from gradsafe.pipelining._torch import (
     current_exec_group,
     exec_group,
+    donates_buffers,
     has_hooked_saved,
     has_other_post_hooks,
     is_reentrant_checkpoint,
@@ -47,6 +48,13 @@ __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 
 _B_DONE = object()  # key in Node.metadata: B already ran from this node
+
+_DONATED = (
+    "a torch.compile'd block in this stage donates its saved buffers (the default), so its "
+    "backward can run only once, and a split backward keeps the graph from B for W. Set "
+    "torch._functorch.config.donated_buffer = False before compiling (no parameter gradient "
+    "has changed)."
+)
 
 # Values that carry no gradient wherever they appear in a stage's outputs.
 _INERT = (type(None), bool, int, float, complex, str, bytes)
@@ -272,6 +280,9 @@ def _stage_backward_input(
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
+    for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
+        if donates_buffers(node):
+            raise SplitBackwardError(_DONATED)
     for node in graph.weight_nodes:
         if is_reentrant_checkpoint(node):
             raise SplitBackwardError(
@@ -326,12 +337,9 @@ def _stage_backward_input(
                 dinputs[i] = grad
             at_leaves = grads[len(inputs) :]
     except RuntimeError as exc:
-        if "donated_buffer" in str(exc):
+        if "donated_buffer" in str(exc):  # a compiled block without parameters
             raise SplitBackwardError(
-                "a torch.compile'd block in this stage donates its saved buffers (the default), so "
-                "its backward can run only once, and a split backward keeps the graph from B "
-                "for W. Set torch._functorch.config.donated_buffer = False before compiling "
-                "(no parameter gradient has changed)."
+                _DONATED + " (Custom backwards that ran before it in B may have had side effects.)"
             ) from exc
         if "_will_engine_execute_node" in str(exc):
             raise SplitBackwardError(
@@ -428,7 +436,14 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
         if is_python_node(item.node) or has_hooked_saved(item.node)
     }
     in_k: set[Node] = set()
-    if not in_b:
+    if not graph.intermediates:
+        return in_b, in_k  # B computes no weight part at all: W runs the whole weight side
+    # A checkpointed (or offloaded) weight-only node joins K too: its region
+    # then recomputes in B's engine call, in the order a fused backward
+    # recomputes regions (dropout with preserve_rng_state=False draws the same
+    # masks), never in W after all of B's.
+    hooked = [n for n in graph.weight_nodes if has_hooked_saved(n)]
+    if not in_b and not hooked:
         return in_b, in_k
     senders: dict[Node, list[Intermediate]] = {}
     for item in graph.intermediates:
@@ -440,7 +455,8 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
             if child is not None:
                 parents.setdefault(child, []).append(node)
     items = list(in_b)
-    nodes: list[Node] = []
+    nodes: list[Node] = list(hooked)
+    in_k.update(hooked)
     while items or nodes:
         while items:
             for e in items.pop().weight_edges:
@@ -466,7 +482,10 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
 
 def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:
     """A checkpoint group shared by B and W when W will unpack checkpointed tensors, else None."""
-    if not in_b and not any(has_hooked_saved(n) for n in graph.weight_nodes if not is_python_node(n)):
+    if not any(
+        has_hooked_saved(n)
+        for n in (*(item.node for item in in_b), *graph.weight_nodes)
+    ):
         return None
     if current_exec_group() is not None:
         raise SplitBackwardError(

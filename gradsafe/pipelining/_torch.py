@@ -21,6 +21,8 @@ and :func:`missing_feature` reports it before the patch is applied:
   (activation checkpointing), so calling it again would unpack them again;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
   call time, emptied while a gradient is captured at that leaf;
+- AOTAutograd's forward-class ``metadata.bw_donated_idxs``: a compiled block
+  that donates saved buffers (refused before B runs anything);
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
@@ -40,6 +42,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "call_node",
+    "donates_buffers",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
     "multi_grad_hook_cells",
@@ -142,6 +145,24 @@ def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.T
     result = node(*grads)  # type: ignore[operator]
     # A node with one next edge returns a bare tensor (or None).
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def donates_buffers(node: Node) -> bool:
+    """Whether ``node`` is a compiled block's backward that donates its saved buffers.
+
+    AOTAutograd records the donated saved tensors in its forward class's
+    metadata; with ``torch._functorch.config.donated_buffer`` set, that
+    backward refuses to run with the graph retained, as a split runs it.
+    """
+    if not is_python_node(node):
+        return False
+    metadata = getattr(getattr(type(node), "_forward_cls", None), "metadata", None)
+    donated = getattr(metadata, "bw_donated_idxs", None)
+    try:
+        from torch._functorch import config
+    except ImportError:
+        return False
+    return bool(donated) and bool(getattr(config, "donated_buffer", False))
 
 
 def is_reentrant_checkpoint(node: Node) -> bool:
