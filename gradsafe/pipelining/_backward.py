@@ -269,17 +269,18 @@ def _stage_backward_input(
     graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
     owners = _owners(graph.leaves.values(), weight_ids)
 
-    in_b = _weight_parts_in_b(graph)
+    in_b, checkpointed = _weight_parts_in_b(graph)
     targets = list(dict.fromkeys((e.node, e.input_nr) for item in in_b for e in item.weight_edges))
-    group = _group_for(graph, in_b)
+    group = _group_for(graph, checkpointed)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     sent = GradSums()
     # A custom Function's backward (a compiled block's too) computes all its
     # gradients at once and may have side effects (e.g. adding into
     # main_grad): B runs it, so keep what it sends to the weight side and never
-    # call it again. A built-in node is called again in W for its weight part,
-    # unless it is in `in_b`: then B captures its weight-side gradients.
+    # call it again (captured at its weight edges when in `in_b`, else summed
+    # by a post-hook). A built-in node is called again in W for its weight
+    # part, unless it is in `in_b`: then B captures its weight-side gradients.
     handles = [
         item.node.register_hook(functools.partial(_record_sent, sent, item.weight_edges))
         if is_python_node(item.node)
@@ -380,8 +381,9 @@ def _stage_backward_input(
     return tuple(dinputs), handoff
 
 
-def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
-    """The intermediates whose weight-side gradients B computes, captured at their weight edges.
+def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], bool]:
+    """The intermediates whose weight-side gradients B computes, captured at their weight
+    edges, and whether any of them is checkpointed.
 
     A built-in intermediate whose saved tensors come back through saved-tensor
     hooks (a checkpointed region) may unpack them once per checkpoint group,
@@ -412,7 +414,7 @@ def _weight_parts_in_b(graph: StageGraph) -> set[Intermediate]:
         # a hook during B instead (see _record_sent).
         if blocked is None:
             in_b = with_custom
-    return in_b
+    return in_b, bool(checkpointed)
 
 
 def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermediate], Node | None]:
@@ -444,9 +446,9 @@ def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermedia
     return in_b, None
 
 
-def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:
+def _group_for(graph: StageGraph, checkpointed: bool) -> Any:
     """A checkpoint group shared by B and W when W will unpack checkpointed tensors, else None."""
-    if not in_b and not any(has_hooked_saved(n) for n in graph.weight_nodes if not is_python_node(n)):
+    if not checkpointed and not any(has_hooked_saved(n) for n in graph.weight_nodes if not is_python_node(n)):
         return None
     if current_exec_group() is not None:
         raise SplitBackwardError(
