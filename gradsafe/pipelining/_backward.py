@@ -393,12 +393,20 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], bool]:
     per call. Every intermediate sending into a captured edge joins (the
     capture sums them all).
     """
-    checkpointed = {
-        item
-        for item in graph.intermediates
-        if not is_python_node(item.node) and has_hooked_saved(item.node)
-    }
-    in_b, blocked = _closure(graph, checkpointed)
+    checkpointed: set[Intermediate] = set()
+    custom: set[Intermediate] = set()
+    for item in graph.intermediates:
+        if is_python_node(item.node):
+            custom.add(item)
+        elif has_hooked_saved(item.node):
+            checkpointed.add(item)
+    if not checkpointed and not custom:
+        return set(), False
+    senders: dict[tuple[Node, int], list[Intermediate]] = {}
+    for item in graph.intermediates:
+        for e in item.weight_edges:
+            senders.setdefault((e.node, e.input_nr), []).append(item)
+    in_b, blocked = _closure(graph, senders, checkpointed)
     if blocked is not None:
         raise SplitBackwardError(
             f"a checkpointed {blocked.name()} on the weight side sends its gradient into the "
@@ -406,9 +414,9 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], bool]:
             "it while capturing the latter. Use the weight inside the checkpointed region "
             "through one op, or use stage_backward (fused). No gradient has changed."
         )
-    custom = {item for item in graph.intermediates if is_python_node(item.node)} - in_b
+    custom -= in_b
     if custom:
-        with_custom, blocked = _closure(graph, in_b | custom)
+        with_custom, blocked = _closure(graph, senders, in_b | custom)
         # A weight-only node sending into a captured edge would run in B and
         # again in W; then the custom nodes' weight-side results are summed by
         # a hook during B instead (see _record_sent).
@@ -417,8 +425,13 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], bool]:
     return in_b, bool(checkpointed)
 
 
-def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermediate], Node | None]:
-    """``seed`` plus every intermediate sending into an edge it sends into (transitively).
+def _closure(
+    graph: StageGraph,
+    senders: dict[tuple[Node, int], list[Intermediate]],
+    seed: set[Intermediate],
+) -> tuple[set[Intermediate], Node | None]:
+    """``seed`` plus every intermediate sending into an edge it sends into (transitively);
+    ``senders`` lists the intermediates sending into each weight-side edge.
 
     Also returns a weight-only node that sends into one of those edges (the
     engine would run it in B, and W would run it again), or None.
@@ -426,10 +439,6 @@ def _closure(graph: StageGraph, seed: set[Intermediate]) -> tuple[set[Intermedia
     in_b = set(seed)
     if not in_b:
         return in_b, None
-    senders: dict[tuple[Node, int], list[Intermediate]] = {}
-    for item in graph.intermediates:
-        for e in item.weight_edges:
-            senders.setdefault((e.node, e.input_nr), []).append(item)
     targets: set[tuple[Node, int]] = set()
     pending = list(in_b)
     while pending:
