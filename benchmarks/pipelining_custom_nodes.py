@@ -4,7 +4,8 @@ Run: PYTHONPATH=. python benchmarks/pipelining_custom_nodes.py [--quick]
 Prints the torch version and machine, then per stage, side by side in this one
 process (implementations interleaved in every repetition, minimum over
 repetitions, one intra-op thread; each timed until the microbatch's graph is
-released): fused backward, gradsafe B+W, torch's split B+W (ms and ratios;
+released; wall time, and the thread's CPU time, which a loaded machine
+disturbs less: on CPU the autograd engine runs on the calling thread): fused backward, gradsafe B+W, torch's split B+W (ms and ratios;
 "crash" where it raises), how often each custom backward /
 checkpointed forward ran per microbatch, and the bytes gradsafe keeps from B to
 W (weight-side gradients of nodes B had to run whole).
@@ -102,8 +103,10 @@ def checkpointed(layers: int, d: int) -> tuple[nn.Module, Callable[[torch.Tensor
     return blocks, fwd
 
 
-def run(impl: str, model: nn.Module, fwd: Any, x: torch.Tensor) -> tuple[float, dict[str, int], int]:
-    """(seconds of backward, calls during it, bytes kept from B to W).
+def run(
+    impl: str, model: nn.Module, fwd: Any, x: torch.Tensor
+) -> tuple[tuple[float, float], dict[str, int], int]:
+    """((wall, thread CPU) seconds of backward, calls during it, bytes kept from B to W).
 
     The time runs until the microbatch's graph is released (its outputs and
     hand-off dropped): a split B releases what W does not need itself, a
@@ -116,7 +119,7 @@ def run(impl: str, model: nn.Module, fwd: Any, x: torch.Tensor) -> tuple[float, 
     before = dict(CALLS)
     kept = 0
     if impl == "fused":
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         torch.autograd.backward([box.pop("out")], [g])
     else:
         b, w = (
@@ -124,18 +127,18 @@ def run(impl: str, model: nn.Module, fwd: Any, x: torch.Tensor) -> tuple[float, 
             if impl == "gradsafe"
             else (torch_split.stage_backward_input, torch_split.stage_backward_weight)
         )
-        start = time.perf_counter()
-        handoff = b([box.pop("out")], [g], [x], model.parameters())[1]
+        start, cpu = time.perf_counter(), time.thread_time()
+        handoff: Any = b([box.pop("out")], [g], [x], model.parameters())[1]
         kept = getattr(handoff, "kept_bytes", 0)
         w(model.parameters(), handoff)
         del handoff
-    t = time.perf_counter() - start
+    t = (time.perf_counter() - start, time.thread_time() - cpu)
     return t, {k: CALLS[k] - before[k] for k in CALLS}, kept
 
 
 def measure(name: str, model: nn.Module, fwd: Any, shape: tuple[int, ...], reps: int) -> None:
     x = torch.randn(*shape, requires_grad=True)
-    times: dict[str, list[float]] = {"fused": [], "gradsafe": [], "torch": []}
+    times: dict[str, list[tuple[float, float]]] = {"fused": [], "gradsafe": [], "torch": []}
     info: dict[str, tuple[dict[str, int], int] | None] = {}
     for _ in range(reps):
         for impl in times:
@@ -149,19 +152,21 @@ def measure(name: str, model: nn.Module, fwd: Any, shape: tuple[int, ...], reps:
                 continue
             times[impl].append(t)
             info[impl] = (calls, kept)
-    fused = min(times["fused"]) * 1e3
+    best = {impl: tuple(min(t[k] for t in ts) * 1e3 for k in (0, 1)) for impl, ts in times.items() if ts}
     print(f"{name}")
-    for impl, ts in times.items():
-        if not ts:
+    for impl in times:
+        if impl not in best:
             print(f"  {impl:9s}   crash")
             continue
-        ms = min(ts) * 1e3
+        (wall, cpu), (fused_wall, fused_cpu) = best[impl], best["fused"]
         calls, kept = info[impl] or ({}, 0)
         counts = ", ".join(f"{k} {v}" for k, v in calls.items() if v)
-        print(f"  {impl:9s} {ms:8.2f} ms  {ms / fused:5.2f}x fused  [{counts}]"
+        print(f"  {impl:9s} {wall:8.2f} ms {wall / fused_wall:5.2f}x fused | CPU {cpu:8.2f} ms "
+              f"{cpu / fused_cpu:5.2f}x  [{counts}]"
               + (f"  kept B->W {kept / 2**20:.2f} MiB" if impl == "gradsafe" else ""))
-    if times["torch"] and times["gradsafe"]:
-        print(f"  gradsafe / torch's split: {min(times['gradsafe']) / min(times['torch']):.2f}x")
+    if "torch" in best and "gradsafe" in best:
+        print(f"  gradsafe / torch's split: {best['gradsafe'][0] / best['torch'][0]:.2f}x wall, "
+              f"{best['gradsafe'][1] / best['torch'][1]:.2f}x CPU")
 
 
 def main() -> None:

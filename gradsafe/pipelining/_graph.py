@@ -132,11 +132,12 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
             if state == _REACHES_PARAM:
                 weight_nodes.append(node)
             elif state == _REACHES_INPUT | _REACHES_PARAM:
-                weight_edges = [
-                    WeightEdge(index, kid, input_nr)
-                    for index, (kid, input_nr) in enumerate(kids)
-                    if kid is not None and flags[kid] == _REACHES_PARAM
-                ]
+                weight_edges = []
+                index = 0
+                for kid, input_nr in kids:  # a loop, not a comprehension: no call per node
+                    if kid is not None and flags[kid] == _REACHES_PARAM:
+                        weight_edges.append(WeightEdge(index, kid, input_nr))
+                    index += 1
                 if weight_edges:
                     intermediates.append(Intermediate(node, tuple(weight_edges)))
 

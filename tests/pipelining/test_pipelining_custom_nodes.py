@@ -131,6 +131,13 @@ def test_custom_function_backward_runs_once(hooks: bool, main_grad: bool) -> Non
     _assert_same(fused, split)
 
 
+def test_custom_function_stage_runs_inside_a_users_checkpoint_group() -> None:
+    # Only a checkpointed stage needs B and W in a group of their own (groups cannot nest).
+    with torch.utils.checkpoint.GraphExecGroup():
+        fused, split = _fused_and_split(lambda c: Stage(c), hooks=False)
+    _assert_same(fused, split)
+
+
 class SharedTranspose(torch.nn.Module):
     """A custom Function and a weight-only op both consume ``w.t()``: ``w.t()``'s node, below
     the custom Function's weight edge, also gets a gradient from the weight-only ``wt * wt``,
