@@ -41,6 +41,7 @@ from gradsafe.pipelining._torch import (
     is_view,
     leaf_variable,
     missing_feature,
+    runs_whole,
 )
 from gradsafe.pipelining._weight_pass import Kept, Recorded
 
@@ -433,7 +434,7 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
     in_b = {
         item
         for item in graph.intermediates
-        if is_python_node(item.node) or has_hooked_saved(item.node)
+        if runs_whole(item.node) or has_hooked_saved(item.node)
     }
     in_k: set[Node] = set()
     if not graph.intermediates:

@@ -14,6 +14,7 @@ and :func:`missing_feature` reports it before the patch is applied:
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
+  ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
 - ``Tensor._is_view``: views cannot be detached in place;
 - ``SavedTensor.unpack_hook`` (via a node's ``_raw_saved_*``): whether a
@@ -56,12 +57,27 @@ __all__ = [
     "is_view",
     "leaf_variable",
     "missing_feature",
+    "runs_whole",
 ]
 
 
 def is_python_node(node: Node) -> bool:
     """Whether ``node`` is a custom ``autograd.Function``'s node."""
     return isinstance(node, torch._C._FunctionBase)
+
+
+def runs_whole(node: Node) -> bool:
+    """Whether ``node``'s backward is user code that computes all its gradients in one call.
+
+    A custom ``autograd.Function`` in Python or C++ (a ``CppNode``), also when
+    applied in place to a view (autograd wraps it in a ``CopySlices``): calling
+    it again for its weight part would run that code, and its side effects,
+    twice.
+    """
+    if is_python_node(node):
+        return True
+    name = node.name()
+    return name.startswith("torch::autograd::CppNode<") or name == "torch::autograd::CopySlices"
 
 
 def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torch.device]:
