@@ -292,10 +292,10 @@ def _stage_backward_input(
                 "under. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
                 "or stage_backward (fused). No gradient has changed."
             )
-    in_b, in_k = _weight_parts_in_b(graph)
+    in_b, in_k, has_checkpoints = _weight_parts_in_b(graph)
     k_leaves = [n for n in graph.leaves if n in in_k]
     k_outputs = {i for i in graph.weight_only_outputs if roots[i].edge.node in in_k}
-    group = _group_for(graph, in_b)
+    group = _group_for(has_checkpoints)
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
@@ -417,8 +417,9 @@ def _stage_backward_input(
     return tuple(dinputs), handoff
 
 
-def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]:
-    """The intermediates B runs whole, and ``K``: the weight side B computes with them.
+def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], bool]:
+    """The intermediates B runs whole, ``K`` (the weight side B computes with them), and
+    whether the stage has checkpointed (or offloaded) built-in nodes.
 
     A custom Function's node computes all its gradients in one call (B runs
     it, so W must not again), and a built-in intermediate whose saved tensors
@@ -431,21 +432,25 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
     engine then runs each node of ``K`` once, with its complete gradient, and
     W runs none of them; nothing W runs reaches ``K``.
     """
-    in_b = {
-        item
-        for item in graph.intermediates
-        if runs_whole(item.node) or has_hooked_saved(item.node)
+    # A custom Function's own saved tensors never matter here: B runs it whole
+    # and nothing unpacks them again.
+    in_b = {item for item in graph.intermediates if runs_whole(item.node)}
+    checkpointed = {
+        item for item in graph.intermediates if item not in in_b and has_hooked_saved(item.node)
     }
+    in_b |= checkpointed
     in_k: set[Node] = set()
-    if not graph.intermediates:
-        return in_b, in_k  # B computes no weight part at all: W runs the whole weight side
     # A checkpointed (or offloaded) weight-only node joins K too: its region
     # then recomputes in B's engine call, in the order a fused backward
     # recomputes regions (dropout with preserve_rng_state=False draws the same
     # masks), never in W after all of B's.
     hooked = [n for n in graph.weight_nodes if has_hooked_saved(n)]
+    has_checkpoints = bool(checkpointed or hooked)
+    if not graph.intermediates:
+        # B computes no weight part at all: W runs the whole weight side.
+        return in_b, in_k, has_checkpoints
     if not in_b and not hooked:
-        return in_b, in_k
+        return in_b, in_k, has_checkpoints
     senders: dict[Node, list[Intermediate]] = {}
     for item in graph.intermediates:
         for e in item.weight_edges:
@@ -478,15 +483,12 @@ def _weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node]]
                 if item not in in_b:
                     in_b.add(item)
                     items.append(item)
-    return in_b, in_k
+    return in_b, in_k, has_checkpoints
 
 
-def _group_for(graph: StageGraph, in_b: set[Intermediate]) -> Any:
-    """A checkpoint group shared by B and W when W will unpack checkpointed tensors, else None."""
-    if not any(
-        has_hooked_saved(n)
-        for n in (*(item.node for item in in_b), *graph.weight_nodes)
-    ):
+def _group_for(has_checkpoints: bool) -> Any:
+    """A checkpoint group shared by B and W for a stage with checkpointed nodes, else None."""
+    if not has_checkpoints:
         return None
     if current_exec_group() is not None:
         raise SplitBackwardError(

@@ -173,12 +173,11 @@ def donates_buffers(node: Node) -> bool:
     if not is_python_node(node):
         return False
     metadata = getattr(getattr(type(node), "_forward_cls", None), "metadata", None)
-    donated = getattr(metadata, "bw_donated_idxs", None)
-    try:
-        from torch._functorch import config
-    except ImportError:
+    if not getattr(metadata, "bw_donated_idxs", None):
         return False
-    return bool(donated) and bool(getattr(config, "donated_buffer", False))
+    from torch._functorch import config  # importable: the node came from AOTAutograd
+
+    return bool(getattr(config, "donated_buffer", False))
 
 
 def is_reentrant_checkpoint(node: Node) -> bool:
