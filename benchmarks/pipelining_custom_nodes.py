@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 import torch._functorch.config
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+
+import pipelining_split  # the sibling benchmark (this script's folder is on sys.path)
 
 CALLS = {"custom backward": 0, "checkpointed forward": 0}
 
@@ -74,26 +75,16 @@ def compiled_shared(sites: int, d: int) -> tuple[nn.Module, Callable[[torch.Tens
     return lin, fwd
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+class Block(pipelining_split.Block):
+    """The split benchmark's transformer block with dropout, counting its (re)computed forwards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         CALLS["checkpointed forward"] += 1
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        split = lambda z: z.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-        att = (split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // self.heads)).softmax(-1)
-        x = x + self.proj((att @ split(v)).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(self.ln2(x))), 0.1))
+        return super().forward(x)
 
 
 def checkpointed(layers: int, d: int) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    blocks = nn.ModuleList(Block(d) for _ in range(layers))
+    blocks = nn.ModuleList(Block(d, dropout=0.1) for _ in range(layers))
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
         for blk in blocks:

@@ -30,9 +30,11 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int = 4) -> None:
+    """Pre-norm attention + 4x MLP (optional dropout after the MLP's activation)."""
+
+    def __init__(self, d: int, heads: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -43,7 +45,8 @@ class Block(nn.Module):
         split = lambda z: z.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
         att = (split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // self.heads)).softmax(-1)
         x = x + self.proj((att @ split(v)).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        h = F.gelu(self.fc1(self.ln2(x)))
+        return x + self.fc2(F.dropout(h, self.dropout) if self.dropout else h)
 
 
 def linear_stack(layers: int, d: int, shared: bool, bias: bool) -> tuple[nn.Module, Forward]:

@@ -40,6 +40,10 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import CheckpointFunction
+
+# The node class of a reentrant checkpoint region (read once: checked per weight node per B).
+_REENTRANT_NODE: Any = getattr(CheckpointFunction, "_backward_cls", ())
 
 __all__ = [
     "call_node",
@@ -182,9 +186,7 @@ def donates_buffers(node: Node) -> bool:
 
 def is_reentrant_checkpoint(node: Node) -> bool:
     """Whether ``node`` is a reentrant ``torch.utils.checkpoint`` region's node (``use_reentrant=True``)."""
-    from torch.utils.checkpoint import CheckpointFunction
-
-    return isinstance(node, getattr(CheckpointFunction, "_backward_cls", ()))
+    return isinstance(node, _REENTRANT_NODE)
 
 
 def _no_hook(*args: object) -> None:

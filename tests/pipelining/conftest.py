@@ -14,6 +14,15 @@ from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 Make = Callable[[], tuple[nn.Module, list[Any], Callable[..., Sequence[Any]]]]
 
 
+@pytest.fixture
+def fp64():  # type: ignore[no-untyped-def]
+    """float64 as the default dtype for the test (exact comparisons with a fused backward)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 def _tensors_with_grad(values: Sequence[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
 

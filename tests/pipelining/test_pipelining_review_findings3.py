@@ -27,12 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 
 
-@pytest.fixture(autouse=True)
-def _fp64():  # type: ignore[no-untyped-def]
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 class _Scale(torch.autograd.Function):

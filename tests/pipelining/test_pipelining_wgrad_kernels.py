@@ -19,12 +19,7 @@ from gradsafe.wgrad._hazards import repro_linear
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 
-@pytest.fixture(autouse=True)
-def _fp64():  # type: ignore[no-untyped-def]
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 @pytest.mark.parametrize("fuse, delayed", [(True, False), (False, True), (True, True)])
