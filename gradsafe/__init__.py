@@ -7,14 +7,14 @@ Importing gradsafe patches nothing (and imports no capability code). Use one of:
 * direct imports such as ``from gradsafe.pipelining import stage_backward_weight``.
 
 Every function here is a method of :data:`REGISTRY`, the process's one
-:class:`~gradsafe.patching.PatchRegistry`, whose patches are listed in
-:mod:`gradsafe.capabilities`.
+:class:`~gradsafe.patching.PatchRegistry` (created in :mod:`gradsafe.patching`),
+whose patches are listed and registered in :mod:`gradsafe.capabilities`.
 """
 
 from __future__ import annotations
 
-from gradsafe.capabilities import REGISTRY, PatchName
-from gradsafe.patching import PatchConflictWarning, PatchHandle, PatchState, Status
+from gradsafe.capabilities import PatchName  # importing the table registers every patch
+from gradsafe.patching import REGISTRY, PatchConflictWarning, PatchHandle, PatchState, Status
 
 __all__ = [
     "PatchConflictWarning",

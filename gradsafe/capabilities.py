@@ -14,12 +14,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal
 
-from gradsafe.patching import Patch, PatchRegistry, Plan
+from gradsafe.patching import REGISTRY, Patch, Plan
 
 if TYPE_CHECKING:
-    from gradsafe.doctor import Check
+    from gradsafe.checks import Check
 
-__all__ = ["CAPABILITIES", "Capability", "CapabilityName", "PatchName", "REGISTRY"]
+__all__ = ["CAPABILITIES", "Capability", "CapabilityName", "PatchName"]
 
 #: The names ``gradsafe.patch()`` accepts.
 PatchName = Literal["pipelining", "dtensor", "cuda_graphs"]
@@ -95,8 +95,10 @@ CUDA_GRAPHS_EMULATION: Final = Patch(
     _emulation_plan,
 )
 
-#: The process's one patch registry.
-REGISTRY: Final = PatchRegistry([PIPELINING, DTENSOR, CUDA_GRAPHS], testing=[CUDA_GRAPHS_EMULATION])
+# The process's one registry (created in gradsafe.patching) gets every patch here,
+# when `import gradsafe` imports this table.
+REGISTRY.register(PIPELINING, DTENSOR, CUDA_GRAPHS)
+REGISTRY.register(CUDA_GRAPHS_EMULATION, testing=True)
 
 
 # -- hazard reproductions (the doctor's rows) ------------------------------------------

@@ -2,9 +2,9 @@
 
 Each capability writes its hazard reproductions once, in
 ``gradsafe/<capability>/_hazards.py``, as ``CHECKS`` (listed in
-:data:`gradsafe.capabilities.CAPABILITIES`). A :class:`Check` is two
-zero-argument callables returning an :class:`Outcome`: the reproduction against
-upstream, and the same reproduction with gradsafe. A crash is an outcome too
+:data:`gradsafe.capabilities.CAPABILITIES`). A :class:`~gradsafe.checks.Check`
+runs a reproduction against upstream and with gradsafe, each returning an
+:class:`~gradsafe.checks.Outcome`. A crash is an outcome too
 (upstream crashes are one of the hazards), so exceptions are caught and
 reported, never raised.
 """
@@ -20,67 +20,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradsafe import capabilities
-from gradsafe.capabilities import REGISTRY
-from gradsafe.patching import Skip
+from gradsafe.checks import Outcome
+from gradsafe.patching import REGISTRY, Skip
 
-__all__ = ["Check", "Outcome", "PatchPlan", "Report", "Row", "patched_check", "run"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What one run of a reproduction found.
-
-    ``correct`` is True when the gradients (or behaviour) matched the
-    reference, False when they did not, None when the run was not possible
-    (e.g. gradsafe already active in this process).
-    """
-
-    correct: bool | None
-    detail: str
-
-    @property
-    def label(self) -> str:
-        verdict = {True: "right", False: "WRONG", None: "n/a"}[self.correct]
-        return f"{verdict}: {self.detail}" if self.detail else verdict
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """One hazard's reproduction, run against upstream and with gradsafe.
-
-    ``upstream_source`` says what the upstream column ran: the installed torch
-    (the default), or a model of another library's behaviour when that library
-    is not what is being measured (e.g. TransformerEngine's wgrad policy).
-    """
-
-    hazard: str
-    capability: str
-    upstream: Callable[[], Outcome]
-    gradsafe: Callable[[], Outcome]
-    upstream_source: str = "installed torch"
-
-
-def patched_check(
-    hazard: str, capability: str, patch_name: str, repro: Callable[[], Outcome]
-) -> Check:
-    """A check whose gradsafe run is ``repro`` under ``gradsafe.patch(patch_name)``."""
-
-    def upstream() -> Outcome:
-        if REGISTRY.status()[patch_name].active:
-            return Outcome(None, f"not measured: gradsafe.patch({patch_name!r}) is active here")
-        return repro()
-
-    def with_gradsafe() -> Outcome:
-        with REGISTRY.patch(patch_name) as handle:
-            applied = patch_name in handle.names
-            outcome = repro()
-        if applied:
-            return outcome
-        # A skipped patch (e.g. upstream already right) must still be measured.
-        reason = REGISTRY.status()[patch_name].skipped
-        return Outcome(outcome.correct, f"{outcome.detail} (patch skipped: {reason})")
-
-    return Check(hazard, capability, upstream, with_gradsafe)
+__all__ = ["PatchPlan", "Report", "Row", "run"]
 
 
 @dataclasses.dataclass(frozen=True)

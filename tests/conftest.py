@@ -1,5 +1,12 @@
+import importlib
+import pkgutil
+import sys
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+from gradsafe.patching import PatchRegistry
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -9,3 +16,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[PatchRegistry]:
+    """A new registry holding gradsafe's patches, nothing planned or applied, as the process's one.
+
+    Every gradsafe module that bound the process's registry by name sees the
+    fresh one until the test ends; tests may ``register`` patches of their own.
+    """
+    import gradsafe
+    from gradsafe import capabilities, patching
+
+    # A module first imported during the test would keep the fresh registry: import them all first.
+    for info in pkgutil.walk_packages(gradsafe.__path__, "gradsafe."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    fresh = PatchRegistry(
+        [c.patch for c in capabilities.CAPABILITIES if c.patch is not None],
+        testing=[capabilities.CUDA_GRAPHS_EMULATION],
+    )
+    process = patching.REGISTRY
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "gradsafe" and getattr(module, "REGISTRY", None) is process:
+            monkeypatch.setattr(module, "REGISTRY", fresh)
+    yield fresh
+    if any(state.active for state in fresh.status().patches):
+        raise AssertionError("a test left a patch of the fresh registry applied")

@@ -11,7 +11,7 @@ import pytest
 
 from gradsafe import capabilities, doctor
 from gradsafe.capabilities import Capability
-from gradsafe.doctor import Check, Outcome, patched_check
+from gradsafe.checks import Check, Outcome, patched_check
 from gradsafe.patching import AttrTarget, Patch, PatchRegistry, Skip
 
 _LONG = "Trying to backward through the graph a second time " + "x" * 300
@@ -91,14 +91,16 @@ def _value() -> str:
     return "upstream"
 
 
-def test_patched_check_runs_upstream_then_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_patched_check_runs_upstream_then_patched(
+    monkeypatch: pytest.MonkeyPatch, fresh_registry: PatchRegistry
+) -> None:
     mod = types.ModuleType("fake_target")
     mod.value = _value  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fake_target", mod)
     fixed = Patch("alpha", "fix", lambda: [AttrTarget("fake_target", "value", lambda: "fixed")])
     noop = Patch("beta", "no-op", lambda: Skip("verified: upstream already right"))
-    registry = PatchRegistry([fixed, noop])
-    monkeypatch.setattr(doctor, "REGISTRY", registry)
+    registry = fresh_registry
+    registry.register(fixed, noop)
 
     def repro() -> Outcome:
         got = mod.value()

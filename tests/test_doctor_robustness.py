@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gradsafe import doctor
-from gradsafe.capabilities import REGISTRY
+from gradsafe.patching import PatchRegistry
 
 
-def test_a_probe_that_raises_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_probe_that_raises_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, fresh_registry: PatchRegistry
+) -> None:
     # The doctor promises "exceptions are caught and reported, never raised".
     # A plan() failing with something other than ImportError/AttributeError
     # (a changed torch internal raising RuntimeError) made the whole doctor
@@ -19,7 +21,6 @@ def test_a_probe_that_raises_is_reported_not_raised(monkeypatch: pytest.MonkeyPa
         raise RuntimeError("probe hit a changed torch internal")
 
     monkeypatch.setattr(cuda_graphs_patch, "plan", changed_internal)
-    monkeypatch.setattr(REGISTRY._entries["cuda_graphs"], "plan", None)  # forget the cached plan
     report = doctor.run(["cuda_graphs"])
     assert not report.ok
     plan = next(p for p in report.patches if p.name == "cuda_graphs")

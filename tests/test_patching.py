@@ -482,7 +482,7 @@ def test_import_and_status_have_no_side_effects() -> None:
         "import gradsafe\n"
         "assert 'torch' not in sys.modules, 'import gradsafe imported torch'\n"
         "caps = [m for m in sys.modules if m.startswith('gradsafe.')]\n"
-        "assert sorted(caps) == ['gradsafe.capabilities', 'gradsafe.patching'], caps\n"
+        "assert all(m.startswith(('gradsafe.capabilities', 'gradsafe.patching')) for m in caps), caps\n"
         "before = set(sys.modules)\n"
         "report = gradsafe.status()\n"
         "str(report)\n"

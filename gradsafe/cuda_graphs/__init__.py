@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from gradsafe.capabilities import REGISTRY
+from gradsafe.patching import REGISTRY
 from gradsafe.cuda_graphs.capture_order import (
     CaptureEntry,
     CaptureOrder,

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from gradsafe.cuda_graphs.capture_order import CaptureOrder, CaptureOrderError, Rule
-from gradsafe.doctor import Check, Outcome
+from gradsafe.checks import Check, Outcome
 
 # The seed report's example: both delayed wgrad entries after both dgrads of chunk 1.
 WRONG_TE_ORDER: tuple[float, ...] = (1, 1, -1, -1, -1.5, -1.5)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradsafe.doctor import Outcome, patched_check
+from gradsafe.checks import Outcome, patched_check
 
 __all__ = [
     "ALIASED",

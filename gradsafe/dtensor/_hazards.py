@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsafe.doctor import Outcome, patched_check
+from gradsafe.checks import Outcome, patched_check
 from gradsafe.dtensor._torch import TorchDispatchMode
 
 __all__ = [

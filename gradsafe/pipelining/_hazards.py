@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from gradsafe.doctor import Check, Outcome, patched_check
+from gradsafe.checks import Check, Outcome, patched_check
 
 __all__ = [
     "CHECKS",

@@ -22,7 +22,7 @@ from typing import Final
 
 import torch
 
-from gradsafe.capabilities import REGISTRY
+from gradsafe.patching import REGISTRY
 from gradsafe.patching import AttrTarget, Target
 from gradsafe.testing._graph_recorder import (
     INVALIDATED,

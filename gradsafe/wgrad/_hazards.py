@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from gradsafe.doctor import Check, Outcome
+from gradsafe.checks import Check, Outcome
 from gradsafe.testing.megatron import HookCall, MegatronStyleDDP
 from gradsafe.wgrad._policy import wgrad_return
 from gradsafe.wgrad._store import GradReadyHook, WeightGradStore, WgradClosure

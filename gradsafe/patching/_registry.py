@@ -1,222 +1,23 @@
-"""Explicit, reversible, reference-counted monkeypatching of torch.
-
-The pieces, smallest first:
-
-* a :class:`Target` is one slot (a module attribute or a table entry) and the
-  object gradsafe puts there;
-* a :class:`Patch` is one capability's set of slots: its ``plan`` probes the
-  installed torch (features, never version numbers) and returns the targets
-  or a :class:`Skip` with the reason;
-* a :class:`PatchRegistry` owns every patch's reference count and undo
-  records, like pytest's ``MonkeyPatch`` owns its undo stack. The one registry
-  of the process is ``gradsafe.REGISTRY``, built in :mod:`gradsafe.capabilities`;
-  ``gradsafe.patch()``, ``unpatch()``, ``status()``, ``get_original()`` and
-  ``is_object_patched()`` are its methods.
-
-A plan is computed once per process (it depends only on the installed torch)
-and always under plain tensor semantics: grad mode on, no inference mode, CPU
-as default device, whatever the caller's context.
-"""
+"""The patch registry: every patch's cached plan, reference count and exact-object undo records."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from types import TracebackType
-from typing import Final, Literal, Union
+from typing import Literal
 
-from typing_extensions import Self, TypeAlias
+from gradsafe.patching._handle import PatchHandle
+from gradsafe.patching._status import PatchState, Status, TargetState, observe, peek
+from gradsafe.patching._targets import AttrTarget, Patch, Plan, Skip, Target, owner_of, slot_of
 
-__all__ = [
-    "AttrTarget",
-    "ItemTarget",
-    "MISSING",
-    "Patch",
-    "PatchConflictWarning",
-    "PatchHandle",
-    "PatchRegistry",
-    "PatchState",
-    "Plan",
-    "Skip",
-    "Status",
-    "Target",
-    "TargetState",
-]
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-#: Stands for "the slot held nothing" (a mapping key that was absent).
-MISSING: Final = _Missing()
+__all__ = ["PatchConflictWarning", "PatchRegistry"]
 
 
 class PatchConflictWarning(UserWarning):
     """Something other than gradsafe replaced a slot gradsafe had patched."""
-
-
-def _owner(module: str, attr: str) -> tuple[object, str]:
-    """The object holding ``module.attr`` (``attr`` may be dotted: ``Class.method``) and the last name."""
-    *path, name = attr.split(".")
-    owner: object = importlib.import_module(module)
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name
-
-
-@dataclasses.dataclass(frozen=True)
-class AttrTarget:
-    """Attribute ``attr`` of the module ``module``, replaced by ``replacement``.
-
-    ``attr`` may be dotted (``"PipelineStage._forward_metadata_inference"``):
-    the last name is replaced on the object the others lead to, which must
-    define it itself (a class attribute, not an inherited one).
-    """
-
-    module: str
-    attr: str
-    replacement: object
-
-    @property
-    def where(self) -> str:
-        return f"{self.module}.{self.attr}"
-
-    def read(self) -> object:
-        owner, name = _owner(self.module, self.attr)
-        return getattr(owner, name)
-
-    def write(self, value: object) -> None:
-        owner, name = _owner(self.module, self.attr)
-        setattr(owner, name, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class ItemTarget:
-    """Key ``key`` of a mapping (e.g. a sharding-strategy table).
-
-    ``mapping`` is called to find the live mapping; ``where`` names it for
-    humans. An absent key is read as :data:`MISSING` and restored by deletion;
-    a ``replacement`` of :data:`MISSING` removes the key while patched.
-    """
-
-    where: str
-    mapping: Callable[[], MutableMapping[Hashable, object]]
-    key: Hashable
-    replacement: object
-
-    def read(self) -> object:
-        return self.mapping().get(self.key, MISSING)
-
-    def write(self, value: object) -> None:
-        table = self.mapping()
-        if value is MISSING:
-            table.pop(self.key, None)
-        else:
-            table[self.key] = value
-
-
-Target: TypeAlias = Union[AttrTarget, ItemTarget]
-
-
-@dataclasses.dataclass(frozen=True)
-class Skip:
-    """A patch does not apply to the installed torch, and why."""
-
-    reason: str
-
-
-Plan: TypeAlias = Union[Sequence[Target], Skip]
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    """One capability's patch.
-
-    ``plan`` probes the installed torch when the patch is first applied (or
-    planned) and returns the slots to replace, or a :class:`Skip`.
-    ``after_change`` runs after applying and after restoring (cache clearing).
-    """
-
-    name: str
-    summary: str
-    plan: Callable[[], Plan]
-    after_change: Callable[[], None] = lambda: None
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetState:
-    """One slot of a patch, as found right now.
-
-    ``state`` is ``"replaced"`` (gradsafe's object is there), ``"conflict"``
-    (something else replaced gradsafe's object) or ``"planned"`` (the patch is
-    not applied; this slot is what applying it would replace).
-    """
-
-    where: str
-    state: Literal["replaced", "conflict", "planned"]
-    current: object
-
-    def __str__(self) -> str:
-        if self.state == "conflict":
-            return f"{self.where}: CONFLICT, now holds {self.current!r}"
-        return f"{self.where}: {self.state}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchState:
-    """Where one patch stands.
-
-    ``state`` is ``"active"`` (applied, ``refcount`` references held),
-    ``"skipped"`` (does not apply to this torch: ``skipped`` says why),
-    ``"idle"`` (planned, not applied: ``targets`` are what applying replaces) or
-    ``"unplanned"`` (never applied or planned in this process, so not probed).
-    """
-
-    name: str
-    summary: str
-    state: Literal["active", "skipped", "idle", "unplanned"]
-    refcount: int
-    targets: tuple[TargetState, ...]
-    skipped: str | None
-    conflicts: tuple[str, ...]
-
-    @property
-    def active(self) -> bool:
-        return self.state == "active"
-
-    def __str__(self) -> str:
-        head = {
-            "active": f"active (refcount {self.refcount})",
-            "skipped": f"skipped: {self.skipped}",
-            "idle": "not applied",
-            "unplanned": "not applied, not probed yet in this process",
-        }[self.state]
-        lines = [f"{self.name}: {head}"] + [f"    {t}" for t in self.targets]
-        lines += [f"    conflict: {c}" for c in self.conflicts]
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class Status:
-    """The report returned by ``gradsafe.status()``; ``str()`` renders it."""
-
-    patches: tuple[PatchState, ...]
-
-    def __getitem__(self, name: str) -> PatchState:
-        for state in self.patches:
-            if state.name == name:
-                return state
-        raise KeyError(name)
-
-    def __str__(self) -> str:
-        return "\n".join(str(p) for p in self.patches)
 
 
 @contextmanager
@@ -233,10 +34,6 @@ def _plain_torch_context() -> Iterator[None]:
     with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
         with torch.device("cpu"):
             yield
-
-
-def _slot(target: Target) -> tuple[str, Hashable]:
-    return (target.where, target.key if isinstance(target, ItemTarget) else "")
 
 
 @dataclasses.dataclass
@@ -256,71 +53,6 @@ class _Entry:
         self.conflicts: list[str] = []
 
 
-class PatchHandle:
-    """The references one :meth:`PatchRegistry.patch` call took, and a reusable context manager.
-
-    ``patch()`` applies at once and the handle holds those references until
-    :meth:`release` (or ``unpatch()`` from the thread that called ``patch()``).
-    Entering the handle in a ``with`` block makes the block own them: leaving
-    the block releases them, also on an exception, and nothing else can. A
-    handle entered again (``ctx = gradsafe.patch()`` then ``with ctx:`` in a
-    loop, or nested) takes fresh references for that block, so every block
-    runs patched.
-    """
-
-    def __init__(self, registry: PatchRegistry, requested: tuple[str, ...], held: tuple[str, ...]):
-        self._registry = registry
-        self._requested = requested
-        self._bare = held
-        self._blocks: list[tuple[str, ...]] = []
-        self._thread = threading.get_ident()
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The patches this handle holds a reference to right now (skipped ones never)."""
-        held = [*self._bare, *(name for block in self._blocks for name in block)]
-        return tuple(dict.fromkeys(held))
-
-    def release(self, *names: str) -> None:
-        """Give back the references ``patch()`` took for ``names`` (default: all); idempotent.
-
-        References owned by a ``with`` block are released by leaving the block.
-
-        Raises:
-            ValueError: a name is not one of the registry's patch names.
-        """
-        with self._registry._lock:
-            chosen = set(self._registry._validate(names) if names else self._bare)
-            releasing = tuple(n for n in self._bare if n in chosen)
-            self._bare = tuple(n for n in self._bare if n not in chosen)
-            self._registry._forget_if_done(self)
-            self._registry._release_all(releasing)
-
-    def __enter__(self) -> Self:
-        with self._registry._lock:
-            # The block owns the bare references and fresh ones for every
-            # requested name they lack (all of them once released, or those
-            # released one by one), so every block runs fully patched.
-            missing = tuple(n for n in self._requested if n not in self._bare)
-            block = self._bare + self._registry._acquire_all(missing)
-            self._bare = ()
-            self._registry._forget_if_done(self)
-            self._blocks.append(block)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with self._registry._lock:
-            self._registry._release_all(self._blocks.pop())
-
-    def __repr__(self) -> str:
-        return f"PatchHandle(names={self.names!r})"
-
-
 class PatchRegistry:
     """Every patch of one process: plans, reference counts, exact-object undo.
 
@@ -331,10 +63,10 @@ class PatchRegistry:
     release concurrently.
     """
 
-    def __init__(self, patches: Sequence[Patch], *, testing: Sequence[Patch] = ()) -> None:
+    def __init__(self, patches: Sequence[Patch] = (), *, testing: Sequence[Patch] = ()) -> None:
         self._lock = threading.RLock()
-        self._public = tuple(p.name for p in patches)
-        self._entries = {p.name: _Entry(p) for p in (*patches, *testing)}
+        self._public: tuple[str, ...] = ()
+        self._entries: dict[str, _Entry] = {}
         # The last object found in each slot that was not gradsafe's, keyed by
         # slot, with gradsafe's replacement: lets a slot left holding
         # gradsafe's object (a foreign patch undone out of order) still reach
@@ -343,8 +75,24 @@ class PatchRegistry:
         # Handles holding references from patch() that no with block owns yet,
         # oldest first: what unpatch() can release.
         self._holders: list[PatchHandle] = []
+        self.register(*patches)
+        self.register(*testing, testing=True)
 
     # -- public API ------------------------------------------------------------------
+
+    def register(self, *patches: Patch, testing: bool = False) -> None:
+        """Add patches: ``patch()`` names, or ``testing`` ones applied only through :meth:`hold`.
+
+        Raises:
+            ValueError: a patch of that name is registered already.
+        """
+        with self._lock:
+            for patch in patches:
+                if patch.name in self._entries:
+                    raise ValueError(f"a gradsafe patch named {patch.name!r} is registered already")
+                self._entries[patch.name] = _Entry(patch)
+                if not testing:
+                    self._public += (patch.name,)
 
     def names(self) -> tuple[str, ...]:
         """The names :meth:`patch` accepts."""
@@ -363,10 +111,11 @@ class PatchRegistry:
         Raises:
             ValueError: a name is not one of :meth:`names`.
         """
-        requested = self._validate(names)
+        requested = self.validate(names)
         with self._lock:
-            handle = PatchHandle(self, requested, self._acquire_all(requested))
-            if handle._bare:
+            handle = PatchHandle(self, requested, self.acquire(requested))
+            self._holders = [h for h in self._holders if h.bare]
+            if handle.bare:
                 self._holders.append(handle)
             return handle
 
@@ -382,14 +131,15 @@ class PatchRegistry:
         Raises:
             ValueError: a name is not one of :meth:`names`.
         """
-        chosen = self._validate(names)
+        chosen = self.validate(names)
         me = threading.get_ident()
         with self._lock:
             for name in chosen:
                 for handle in reversed(self._holders):
-                    if handle._thread == me and name in handle._bare:
+                    if handle.thread == me and name in handle.bare:
                         handle.release(name)
                         break
+            self._holders = [h for h in self._holders if h.bare]
 
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:
@@ -435,7 +185,7 @@ class PatchRegistry:
                 target = record.target
                 if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
                     return record.original
-            owner, name = _owner(module, attr)
+            owner, name = owner_of(module, attr)
             current = getattr(owner, name)
             known = self._originals.get((f"{module}.{attr}", ""))
             return known[1] if known is not None and current is known[0] else current
@@ -450,9 +200,19 @@ class PatchRegistry:
                 for r in self._records()
             )
 
-    # -- internals (callers hold the lock) ---------------------------------------------
+    # -- the references handles take and give back (gradsafe.patching.References) --
 
-    def _validate(self, names: Sequence[str]) -> tuple[str, ...]:
+    @property
+    def lock(self) -> threading.RLock:
+        """The one re-entrant lock guarding every patch's state; handles take it too."""
+        return self._lock
+
+    def validate(self, names: Sequence[str]) -> tuple[str, ...]:
+        """``names`` without repeats (none: every patch name).
+
+        Raises:
+            ValueError: a name is not one of :meth:`names`.
+        """
         unknown = [n for n in names if n not in self._public]
         if unknown:
             raise ValueError(
@@ -460,31 +220,32 @@ class PatchRegistry:
             )
         return tuple(dict.fromkeys(names or self._public))
 
-    def _forget_if_done(self, handle: PatchHandle) -> None:
-        if not handle._bare and handle in self._holders:
-            self._holders.remove(handle)
-
-    def _acquire_all(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        held: list[str] = []
-        try:
-            for name in names:
-                if self._acquire(name):
-                    held.append(name)
-        except BaseException:
-            self._release_all(tuple(reversed(held)))
-            raise
-        return tuple(held)
-
-    def _release_all(self, names: Sequence[str]) -> None:
-        """Release every name even if one restore fails (then re-raise the first failure)."""
-        failure: BaseException | None = None
-        for name in names:
+    def acquire(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Take one reference per name (all or none); returns the names applied (skipped ones left out)."""
+        with self._lock:
+            held: list[str] = []
             try:
-                self._release(name)
-            except BaseException as exc:  # the others must not stay installed with no holder
-                failure = failure or exc
-        if failure is not None:
-            raise failure
+                for name in names:
+                    if self._acquire(name):
+                        held.append(name)
+            except BaseException:
+                self.release(tuple(reversed(held)))
+                raise
+            return tuple(held)
+
+    def release(self, names: Sequence[str]) -> None:
+        """Give back one reference per name, every name even if one restore fails (then re-raise the first failure)."""
+        with self._lock:
+            failure: BaseException | None = None
+            for name in names:
+                try:
+                    self._release(name)
+                except BaseException as exc:  # the others must not stay installed with no holder
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+
+    # -- internals (callers hold the lock) ---------------------------------------------
 
     def _plan(self, entry: _Entry) -> Plan:
         if entry.plan is None:
@@ -544,13 +305,13 @@ class PatchRegistry:
         done: list[_Applied] = []
         try:
             for target in plan:
-                self._refuse_shared_slot(entry, target)
+                self._refuse_sharedslot_of(entry, target)
                 current = target.read()
-                known = self._originals.get(_slot(target))
+                known = self._originals.get(slot_of(target))
                 original = known[1] if known is not None and current is known[0] else current
                 target.write(target.replacement)
                 done.append(_Applied(target, original))
-                self._originals[_slot(target)] = (target.replacement, original)
+                self._originals[slot_of(target)] = (target.replacement, original)
             entry.applied = done
             entry.patch.after_change()
         except BaseException:
@@ -560,11 +321,11 @@ class PatchRegistry:
                 record.target.write(record.original)
             raise
 
-    def _refuse_shared_slot(self, entry: _Entry, target: Target) -> None:
+    def _refuse_sharedslot_of(self, entry: _Entry, target: Target) -> None:
         # Each undo record assumes it is the only patch in its slot: a second
         # one would restore torch's object under the first.
         for other in self._entries.values():
-            if other is not entry and any(_slot(r.target) == _slot(target) for r in other.applied):
+            if other is not entry and any(slot_of(r.target) == slot_of(target) for r in other.applied):
                 raise RuntimeError(
                     f"gradsafe patches {other.patch.name!r} and {entry.patch.name!r} both replace "
                     f"{target.where}; a slot can belong to one applied patch at a time. Release "
@@ -597,7 +358,7 @@ class PatchRegistry:
         skipped = None
         if entry.refcount > 0:
             state: Literal["active", "skipped", "idle", "unplanned"] = "active"
-            targets = tuple(_observe(r.target) for r in entry.applied)
+            targets = tuple(observe(r.target) for r in entry.applied)
         elif entry.plan is None:
             state = "unplanned"
         elif isinstance(entry.plan, Skip):
@@ -605,7 +366,7 @@ class PatchRegistry:
         else:
             state = "idle"
             targets = tuple(
-                TargetState(t.where, "planned", _peek(t)) for t in entry.plan
+                TargetState(t.where, "planned", peek(t)) for t in entry.plan
             )
         return PatchState(
             name=entry.patch.name,
@@ -616,22 +377,3 @@ class PatchRegistry:
             skipped=skipped,
             conflicts=tuple(entry.conflicts),
         )
-
-
-def _observe(target: Target) -> TargetState:
-    current = target.read()
-    return TargetState(
-        target.where, "replaced" if current is target.replacement else "conflict", current
-    )
-
-
-def _peek(target: Target) -> object:
-    """The slot's current object without importing anything (status() is passive)."""
-    if isinstance(target, AttrTarget):
-        if target.module not in sys.modules:
-            return MISSING
-        try:
-            return target.read()
-        except AttributeError:
-            return MISSING
-    return target.read()
