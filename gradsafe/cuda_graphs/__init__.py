@@ -1,20 +1,19 @@
-"""``make_graphed_callables`` whose backward never hands a CUDA-graph static buffer to autograd (hazard H3).
+"""CUDA-graph capabilities: owned gradients from graphed callables (H3) and checked capture orders (H5).
 
-``torch.cuda.make_graphed_callables`` returns ``.detach()`` views of the
-captured static gradient buffers from the graphed backward. When a
-parameter's ``.grad`` is None, AccumulateGrad keeps that view as ``.grad`` and
-the next replay overwrites it: two microbatches accumulate ``g2 + g2``
-instead of ``g1 + g2``. :func:`make_graphed_callables` runs torch's own
-implementation (warm-up, capture, options) and then makes the returned
-gradients owned tensors wherever autograd or a user could keep them.
+* :func:`make_graphed_callables` (in :mod:`~gradsafe.cuda_graphs._graphed`):
+  ``torch.cuda.make_graphed_callables`` whose backward never hands a
+  CUDA-graph static buffer to autograd;
+* :func:`make_graphed_split_callables` (:mod:`~gradsafe.cuda_graphs.split_stages`):
+  graphed B and W stages for split-backward pipeline schedules;
+* :class:`CaptureOrder` (:mod:`~gradsafe.cuda_graphs.capture_order`): a
+  capture order checked against the schedule that replays it.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
-from gradsafe.patching import REGISTRY
+from gradsafe.cuda_graphs._graphed import make_graphed_callables
+from gradsafe.cuda_graphs._ownership import Ownership
+from gradsafe.cuda_graphs._structure import UnsupportedTorchError
 from gradsafe.cuda_graphs.capture_order import (
     CaptureEntry,
     CaptureOrder,
@@ -23,17 +22,11 @@ from gradsafe.cuda_graphs.capture_order import (
     Rule,
     TEOrder,
 )
-from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs.split_stages import (
     GraphedSplitStages,
     ReplayOrderError,
     SplitStageState,
     make_graphed_split_callables,
-)
-from gradsafe.cuda_graphs._structure import (
-    UnsupportedTorchError,
-    find_graphed_site,
-    graphed_inputs,
 )
 
 __all__ = [
@@ -51,81 +44,3 @@ __all__ = [
     "make_graphed_callables",
     "make_graphed_split_callables",
 ]
-
-
-def _upstream() -> Any:
-    return REGISTRY.get_original("torch.cuda.graphs", "make_graphed_callables")
-
-
-def make_graphed_callables(
-    callables: Any, sample_args: Any, *args: Any, ownership: Ownership = "auto", **kwargs: Any
-) -> Any:
-    """Graph ``callables`` exactly as ``torch.cuda.make_graphed_callables`` does, with owned gradients.
-
-    Every positional and keyword argument of the installed torch's function is
-    passed through unchanged (``num_warmup_iters``, ``allow_unused_input``,
-    ``pool``, and newer ones such as ``capture_error_mode``); the returned
-    callables behave as upstream's (modules fall back to the eager forward when
-    their training flag differs from the graphed one), except for the
-    gradients their backward returns.
-
-    Args:
-        ownership: which returned gradients are copied out of the static buffers.
-
-            * ``"auto"`` (default): exactly those that would otherwise be kept
-              past the next replay -- a leaf's (parameter's or input's)
-              gradient when its ``.grad`` is None (AccumulateGrad would keep the
-              buffer as ``.grad``), when the leaf has tensor hooks, or when
-              ``torch.autograd.grad`` returns it; and a non-leaf input's
-              gradient unless it comes from another gradsafe-graphed callable
-              (which copies it at once) and has no tensor hooks. With
-              ``.grad`` kept allocated across microbatches this costs at most
-              one parameter-sized copy per parameter per optimizer step.
-            * ``"always"``: copy every returned gradient.
-            * ``"never"``: upstream's behaviour (static-buffer views).
-
-            Parameters whose gradient lifetime is managed by a delayed
-            weight-gradient path (:func:`gradsafe.wgrad.markers.mark_delayed_wgrad`
-            or TransformerEngine's ``skip_backward_post_hook``) keep upstream's
-            view under every policy: their returned gradient is a placeholder.
-
-    Raises:
-        UnsupportedTorchError: the installed torch builds graphed callables in
-            a shape gradsafe does not recognise (never silently unsafe).
-        ValueError: ``ownership`` is not one of ``"auto"``, ``"always"``, ``"never"``.
-    """
-    if ownership not in OWNERSHIP_POLICIES:
-        raise ValueError(
-            f"make_graphed_callables: ownership must be one of {OWNERSHIP_POLICIES}, got {ownership!r}"
-        )
-    upstream = _upstream()
-    if upstream is make_graphed_callables:
-        raise RuntimeError(
-            "gradsafe.cuda_graphs.make_graphed_callables: torch.cuda.graphs.make_graphed_callables "
-            "was set to gradsafe's function outside gradsafe.patch(); restore torch's function "
-            "and use gradsafe.patch('cuda_graphs') instead."
-        )
-    graphed = upstream(callables, sample_args, *args, **kwargs)
-    if ownership == "never":
-        return graphed
-    returned = graphed if isinstance(graphed, tuple) else (graphed,)
-    sample_args_per_callable = sample_args if isinstance(graphed, tuple) else (sample_args,)
-    # Probe every callable before changing any, so a failure leaves none half-made.
-    sites = [
-        find_graphed_site(c, graphed_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
-    ]
-    for site in sites:
-        site.install(owning_graphed(site.graphed_cls, ownership))
-    return graphed
-
-
-def _signature() -> inspect.Signature:
-    upstream = inspect.signature(_upstream())
-    params = [p for p in upstream.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    ownership = inspect.Parameter(
-        "ownership", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="Ownership"
-    )
-    return upstream.replace(parameters=[*params, ownership])
-
-
-make_graphed_callables.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ __all__ = ["plan"]
 
 
 def plan() -> list[Target]:
-    from gradsafe.cuda_graphs import make_graphed_callables
+    from gradsafe.cuda_graphs._graphed import make_graphed_callables
 
     # torch.cuda re-exports the function from torch.cuda.graphs; users call
     # either name, so both point at gradsafe's while patched.

@@ -85,7 +85,7 @@ def test_probe_replays_nothing_and_changes_nothing(monkeypatch: pytest.MonkeyPat
     # backward) replays no graph, creates no .grad and leaves every static
     # buffer as capture left it -- for a mixed tuple of a module (frozen
     # parameter, buffer, pytree arguments) and a function.
-    import gradsafe.cuda_graphs as cuda_graphs
+    import gradsafe.cuda_graphs._graphed as graphed_module
     from gradsafe.testing import EmulatedCUDAGraph
 
     module = _Frozen()
@@ -98,7 +98,7 @@ def test_probe_replays_nothing_and_changes_nothing(monkeypatch: pytest.MonkeyPat
     )
     replays: list[object] = []
     real_replay = EmulatedCUDAGraph.replay
-    real_find = cuda_graphs.find_graphed_site
+    real_find = graphed_module.find_graphed_site
     changed: list[str] = []
 
     def static_buffers(returned: Any) -> list[torch.Tensor]:
@@ -129,7 +129,7 @@ def test_probe_replays_nothing_and_changes_nothing(monkeypatch: pytest.MonkeyPat
         replays.append(self)
         real_replay(self)
 
-    monkeypatch.setattr(cuda_graphs, "find_graphed_site", watched_find)
+    monkeypatch.setattr(graphed_module, "find_graphed_site", watched_find)
     before = [(p.grad, p.requires_grad) for p in module.parameters()]
     with monkeypatch.context() as m:
         m.setattr(EmulatedCUDAGraph, "replay", counted_replay)

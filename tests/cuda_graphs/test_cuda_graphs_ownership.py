@@ -519,8 +519,12 @@ def test_arguments_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
         return lambda *a: a
 
     monkeypatch.setattr(torch.cuda.graphs, "make_graphed_callables", recorder)
-    make_graphed_callables("c", "s", 7, True, pool="p", capture_error_mode="relaxed", ownership="never")
-    assert seen == [(("c", "s", 7, True), {"pool": "p", "capture_error_mode": "relaxed"})]
+    make_graphed_callables("c", "s", 7, True, pool="p", capture_error_mode="relaxed", ownership="never")  # type: ignore[call-overload]
+    # torch's parameters go by position (their defaults are torch's on every
+    # supported release); newer ones as given.
+    assert seen == [(("c", "s", 7, True, "p"), {"capture_error_mode": "relaxed"})]
+    make_graphed_callables("c", "s", 3, False, None, "relaxed", ownership="never")  # type: ignore[call-overload]
+    assert seen[1] == (("c", "s", 3, False, None, "relaxed"), {})
 
 
 def test_no_availability_gate() -> None:

@@ -1,0 +1,137 @@
+"""``make_graphed_callables`` whose backward never hands a CUDA-graph static buffer to autograd (hazard H3).
+
+``torch.cuda.make_graphed_callables`` returns ``.detach()`` views of the
+captured static gradient buffers from the graphed backward. When a
+parameter's ``.grad`` is None, AccumulateGrad keeps that view as ``.grad`` and
+the next replay overwrites it: two microbatches accumulate ``g2 + g2``
+instead of ``g1 + g2``. :func:`make_graphed_callables` runs torch's own
+implementation (warm-up, capture, options) and then makes the returned
+gradients owned tensors wherever autograd or a user could keep them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Union, cast, overload
+
+import torch
+from typing_extensions import TypeAlias
+
+from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
+from gradsafe.cuda_graphs._structure import find_graphed_site, graphed_inputs
+from gradsafe.patching import REGISTRY
+
+__all__ = ["ModuleOrCallable", "make_graphed_callables"]
+
+
+#: What torch graphs: a module or a plain callable (torch's own ``_ModuleOrCallable``).
+ModuleOrCallable: TypeAlias = Union[torch.nn.Module, Callable[..., object]]
+
+
+def _upstream() -> Callable[..., object]:
+    upstream = REGISTRY.get_original("torch.cuda.graphs", "make_graphed_callables")
+    return cast("Callable[..., object]", upstream)
+
+
+@overload
+def make_graphed_callables(
+    callables: ModuleOrCallable,
+    sample_args: tuple[torch.Tensor, ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: object = None,
+    *newer: object,
+    ownership: Ownership = "auto",
+    **options: object,
+) -> ModuleOrCallable: ...
+
+
+@overload
+def make_graphed_callables(
+    callables: tuple[ModuleOrCallable, ...],
+    sample_args: tuple[tuple[torch.Tensor, ...], ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: object = None,
+    *newer: object,
+    ownership: Ownership = "auto",
+    **options: object,
+) -> tuple[ModuleOrCallable, ...]: ...
+
+
+def make_graphed_callables(
+    callables: ModuleOrCallable | tuple[ModuleOrCallable, ...],
+    sample_args: tuple[torch.Tensor, ...] | tuple[tuple[torch.Tensor, ...], ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: object = None,
+    *newer: object,
+    ownership: Ownership = "auto",
+    **options: object,
+) -> ModuleOrCallable | tuple[ModuleOrCallable, ...]:
+    """Graph ``callables`` exactly as ``torch.cuda.make_graphed_callables`` does, with owned gradients.
+
+    The parameters are torch's (the defaults of every supported torch), plus
+    keyword-only ``ownership``. Arguments newer torch releases add
+    (``capture_error_mode``, ``enable_annotations``) are passed through
+    unchanged, positionally (``newer``) or by keyword (``options``); the returned
+    callables behave as upstream's (modules fall back to the eager forward when
+    their training flag differs from the graphed one), except for the
+    gradients their backward returns.
+
+    Args:
+        ownership: which returned gradients are copied out of the static buffers.
+
+            * ``"auto"`` (default): exactly those that would otherwise be kept
+              past the next replay -- a leaf's (parameter's or input's)
+              gradient when its ``.grad`` is None (AccumulateGrad would keep the
+              buffer as ``.grad``), when the leaf has tensor hooks, or when
+              ``torch.autograd.grad`` returns it; and a non-leaf input's
+              gradient unless it comes from another gradsafe-graphed callable
+              (which copies it at once) and has no tensor hooks. With
+              ``.grad`` kept allocated across microbatches this costs at most
+              one parameter-sized copy per parameter per optimizer step.
+            * ``"always"``: copy every returned gradient.
+            * ``"never"``: upstream's behaviour (static-buffer views).
+
+            Parameters whose gradient lifetime is managed by a delayed
+            weight-gradient path (:func:`gradsafe.wgrad.markers.mark_delayed_wgrad`
+            or TransformerEngine's ``skip_backward_post_hook``) keep upstream's
+            view under every policy: their returned gradient is a placeholder.
+
+    Raises:
+        UnsupportedTorchError: the installed torch builds graphed callables in
+            a shape gradsafe does not recognise (never silently unsafe).
+        ValueError: ``ownership`` is not one of ``"auto"``, ``"always"``, ``"never"``.
+    """
+    if ownership not in OWNERSHIP_POLICIES:
+        raise ValueError(
+            f"make_graphed_callables: ownership must be one of {OWNERSHIP_POLICIES}, got {ownership!r}"
+        )
+    upstream = _upstream()
+    if upstream is make_graphed_callables:
+        raise RuntimeError(
+            "gradsafe.cuda_graphs.make_graphed_callables: torch.cuda.graphs.make_graphed_callables "
+            "was set to gradsafe's function outside gradsafe.patch(); restore torch's function "
+            "and use gradsafe.patch('cuda_graphs') instead."
+        )
+    graphed = cast(
+        "ModuleOrCallable | tuple[ModuleOrCallable, ...]",
+        upstream(
+            callables, sample_args, num_warmup_iters, allow_unused_input, pool, *newer, **options
+        ),
+    )
+    if ownership == "never":
+        return graphed
+    returned = graphed if isinstance(graphed, tuple) else (graphed,)
+    sample_args_per_callable = cast(
+        "tuple[tuple[torch.Tensor, ...], ...]",
+        sample_args if isinstance(graphed, tuple) else (sample_args,),
+    )
+    # Probe every callable before changing any, so a failure leaves none half-made.
+    sites = [
+        find_graphed_site(c, graphed_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
+    ]
+    for site in sites:
+        site.install(owning_graphed(site.graphed_cls, ownership))
+    return graphed
