@@ -3,7 +3,7 @@
 Every import in ``gradsafe/`` counts (module level, inside functions, under
 ``TYPE_CHECKING``; relative and absolute). Layers, bottom up:
 
-0. ``gradsafe.patching`` (the registry and its parts)
+0. ``gradsafe.patching`` (the registry and its parts), ``gradsafe._torch_support``
 1. ``gradsafe.checks`` (what a hazard reproduction is)
 2. the capability subpackages: ``pipelining``, ``dtensor``, ``cuda_graphs``,
    ``wgrad``, ``testing``
@@ -67,7 +67,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer(module: str) -> int:
     parts = module.split(".")
-    if parts[1:2] == ["patching"]:
+    if parts[1:2] in (["patching"], ["_torch_support"]):
         return 0
     if parts[1:2] == ["checks"]:
         return 1

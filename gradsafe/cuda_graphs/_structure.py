@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from gradsafe._torch_support import SUPPORTED_TORCH
 from gradsafe.wgrad.markers import hook_keeps_no_gradient
 
 __all__ = [
@@ -50,7 +51,7 @@ class UnsupportedTorchError(RuntimeError):
 def _unsupported(what: str) -> UnsupportedTorchError:
     return UnsupportedTorchError(
         f"gradsafe.cuda_graphs cannot make torch {torch.__version__}'s make_graphed_callables "
-        f"safe: {what}. gradsafe recognises the structures of torch 2.11-2.15. Refusing to return "
+        f"safe: {what}. gradsafe recognises the structures of torch {SUPPORTED_TORCH}. Refusing to return "
         "callables whose backward may hand CUDA-graph static buffers to autograd; pin a supported "
         "torch, report this at gradsafe's issue tracker, or pass ownership='never' to accept "
         "upstream's aliasing knowingly."

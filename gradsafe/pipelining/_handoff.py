@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._weight_pass import Kept, Recorded, deliver, leaf_grads
+from gradsafe.pipelining._torch import DONATED_BUFFERS, engine_error
+from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, deliver, leaf_grads
 
 __all__ = [
     "HandoffState",
@@ -82,7 +83,7 @@ class WeightGradHandoff:
         *,
         recorded: Sequence[Recorded],
         kept: Sequence[Kept],
-        output_roots: Sequence[tuple[Node, int, torch.Tensor]],
+        output_roots: Sequence[OutputRoot],
         weight_nodes: Sequence[Node],
         leaf_nodes: Sequence[Node],
         leaves: Sequence[torch.Tensor],
@@ -209,13 +210,8 @@ class WeightGradHandoff:
                         self._leaves,
                     )
             except RuntimeError as exc:  # torch's own errors; a hook's other exceptions pass as they are
-                if "donated_buffer" in str(exc):
-                    raise SplitBackwardError(
-                        "a torch.compile'd block on this stage's weight side donates its saved "
-                        "buffers (the default), so its backward cannot run with the graph "
-                        "retained, as W runs it. Set torch._functorch.config.donated_buffer = "
-                        "False before compiling (no parameter gradient has changed)."
-                    ) from exc
+                if engine_error(exc) == "donated_buffer":
+                    raise SplitBackwardError(DONATED_BUFFERS) from exc
                 raise SplitBackwardError(
                     "the weight pass failed while computing gradients, before changing any "
                     f"parameter's gradient ({type(exc).__name__}: "

@@ -24,6 +24,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   call time, emptied while a gradient is captured at that leaf;
 - AOTAutograd's forward-class ``metadata.bw_donated_idxs``: a compiled block
   that donates saved buffers (refused before B runs anything);
+- the text of the engine's ``RuntimeError`` messages (torch raises no typed
+  error for donated buffers or a mode-``"all"`` multi-grad hook):
+  :func:`engine_error` reads it;
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
@@ -36,7 +39,7 @@ import contextlib
 import functools
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -46,7 +49,10 @@ from torch.utils.checkpoint import CheckpointFunction
 _REENTRANT_NODE: Any = getattr(CheckpointFunction, "_backward_cls", ())
 
 __all__ = [
+    "DONATED_BUFFERS",
+    "EngineError",
     "call_node",
+    "engine_error",
     "donates_buffers",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
@@ -316,4 +322,32 @@ def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) ->
             handle.remove()
         if not joined:
             return f"register_multi_grad_hook(mode={mode!r}) registrations are not recognisable"
+    return None
+
+
+#: Why a split backward cannot run a compiled block that donates its saved buffers, and the fix.
+DONATED_BUFFERS = (
+    "a torch.compile'd block in this stage donates its saved buffers (the default), so its "
+    "backward can run only once, and a split backward keeps the graph from B for W. Set "
+    "torch._functorch.config.donated_buffer = False before compiling (no parameter gradient "
+    "has changed)."
+)
+
+#: The engine failures a split backward turns into errors naming their fix.
+EngineError = Literal["donated_buffer", "multi_grad_hook_all"]
+
+
+def engine_error(exc: RuntimeError) -> EngineError | None:
+    """Which known engine failure ``exc`` is, read from its message (None: another one).
+
+    ``"donated_buffer"``: a compiled block's backward ran a second time (or
+    with the graph retained) after donating its saved buffers;
+    ``"multi_grad_hook_all"``: a ``register_multi_grad_hook(mode="all")``
+    hook ran under ``torch.autograd.grad`` with ``inputs``.
+    """
+    text = str(exc)
+    if "donated_buffer" in text:
+        return "donated_buffer"
+    if "_will_engine_execute_node" in text:
+        return "multi_grad_hook_all"
     return None

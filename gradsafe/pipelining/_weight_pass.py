@@ -26,22 +26,62 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
 
-__all__ = ["EdgeKey", "GradSums", "Kept", "Recorded", "add_grad", "deliver", "leaf_grads"]
+__all__ = [
+    "EdgeKey",
+    "GradSums",
+    "Kept",
+    "OutputRoot",
+    "Recorded",
+    "WeightEdge",
+    "add_grad",
+    "deliver",
+    "leaf_grads",
+]
 
 EdgeKey = tuple[Node, int]
-#: An intermediate, the gradients that arrived at it in B, and its weight-side edges
-#: as (output index, child node, child input number).
-Recorded = tuple[Node, tuple[torch.Tensor | None, ...], tuple[tuple[int, Node, int], ...]]
-#: A leaf's gradient B already computed (the weight side it ran whole), as
-#: (gradient, accumulator node, input number): W adds it to the leaf's total
-#: and never runs the nodes it came from again.
-Kept = tuple[torch.Tensor, Node, int]
+
+
+class WeightEdge(NamedTuple):
+    """An intermediate's edge into the weight side: its output ``output_index`` feeds ``node``'s input ``input_nr``."""
+
+    output_index: int
+    node: Node
+    input_nr: int
+
+
+class Recorded(NamedTuple):
+    """An intermediate W calls again: the gradients that arrived at it in B, and its weight-side edges."""
+
+    node: Node
+    grads: tuple[torch.Tensor | None, ...]
+    weight_edges: tuple[WeightEdge, ...]
+
+
+class Kept(NamedTuple):
+    """A leaf's gradient B already computed (on the weight side ``K`` it ran whole).
+
+    W adds it to the leaf's total at the accumulator ``node``'s input
+    ``input_nr`` and never runs the nodes it came from again.
+    """
+
+    grad: torch.Tensor
+    node: Node
+    input_nr: int
+
+
+class OutputRoot(NamedTuple):
+    """A weight-only stage output W starts from: its node, output number, and output gradient."""
+
+    node: Node
+    output_nr: int
+    grad: torch.Tensor
 
 
 class GradSums(dict[EdgeKey, torch.Tensor]):
@@ -108,7 +148,7 @@ class _TaskScope(torch.autograd.Function):
 def leaf_grads(
     recorded: list[Recorded],
     kept: Sequence[Kept],
-    output_roots: Sequence[tuple[Node, int, torch.Tensor]],
+    output_roots: Sequence[OutputRoot],
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     leaf_tensors: Sequence[torch.Tensor],

@@ -96,9 +96,9 @@ def test_direct_call_on_a_torch_lacking_a_feature_refuses_before_any_gradient(
 ) -> None:
     import torch
 
-    from gradsafe.pipelining import SplitBackwardError, _backward, stage_backward_input
+    from gradsafe.pipelining import SplitBackwardError, _refusals, stage_backward_input
 
-    monkeypatch.setattr(_backward, "_missing_feature", lambda: "autograd nodes have no _input_metadata")
+    monkeypatch.setattr(_refusals, "_missing_feature", lambda: "autograd nodes have no _input_metadata")
     w = torch.ones(2, requires_grad=True)
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(SplitBackwardError, match=re.escape(f"torch {torch.__version__}: autograd nodes")):

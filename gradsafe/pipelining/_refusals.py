@@ -1,0 +1,235 @@
+"""What a split backward refuses, each with its cause and fix; nothing has changed when one is raised.
+
+B refuses before running anything (malformed inputs, parameters passed as
+inputs, in-place use of a parameter on an input, hooks a split backward cannot
+honour, compiled blocks that donate buffers, reentrant checkpoints on the
+weight side, leaves that are none of the weights); W refuses a hand-off it
+cannot use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node
+
+from gradsafe._torch_support import SUPPORTED_TORCH
+from gradsafe.pipelining._graph import StageGraph
+from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, describe
+from gradsafe.pipelining._torch import (
+    DONATED_BUFFERS,
+    donates_buffers,
+    engine_error,
+    fsdp_counterparts,
+    has_other_post_hooks,
+    is_reentrant_checkpoint,
+    leaf_variable,
+    missing_feature,
+    multi_grad_hook_cells,
+)
+
+__all__ = [
+    "expect_handoff",
+    "leaf_owners",
+    "refuse_engine_error",
+    "refuse_inputs",
+    "refuse_other_post_hooks",
+    "refuse_weight_side",
+    "require_features",
+    "require_input_list",
+]
+
+
+@functools.cache
+def _missing_feature() -> str | None:
+    return missing_feature()  # depends only on the installed torch: probed once
+
+
+def require_features() -> None:
+    """Refuse, on the first B, a torch whose autograd internals the split backward cannot use.
+
+    ``gradsafe.patch("pipelining")`` turns the same probe into a skip; this
+    covers the functions imported directly.
+    """
+    missing = _missing_feature()
+    if missing is not None:
+        raise SplitBackwardError(
+            f"gradsafe's split backward cannot run on torch {torch.__version__}: {missing}. "
+            "Use torch's own stage_backward_input/stage_backward_weight on this torch, or a "
+            f"torch gradsafe supports ({SUPPORTED_TORCH})."
+        )
+
+
+def require_input_list(input_values: object) -> None:
+    """Refuse ``input_values`` that is not a tuple or list (a single tensor, a generator)."""
+    if not isinstance(input_values, (tuple, list)):
+        raise SplitBackwardError(
+            f"input_values must be a tuple or list of the stage inputs, got "
+            f"{type(input_values).__name__}."
+        )
+
+
+def refuse_inputs(inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[torch.Tensor]) -> None:
+    """Refuse stage inputs a split backward cannot give exact gradients."""
+    weight_ids = {id(w) for w in weights}
+    for i, t in inputs:
+        if id(t) in weight_ids:
+            raise SplitBackwardError(
+                f"input_values[{i}] is also one of the stage's parameters; a split backward "
+                "cannot give it one gradient with its hooks run once. Pass a copy of it as the "
+                "stage input, or use stage_backward (fused)."
+            )
+    for i, t in inputs:
+        _refuse_in_place_weight_use(i, t, weight_ids)
+    _refuse_multi_grad_hooks_across(inputs, weights)
+
+
+def refuse_weight_side(graph: StageGraph) -> None:
+    """Refuse compiled blocks that donate buffers, and reentrant checkpoints on the weight side."""
+    for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
+        if donates_buffers(node):
+            raise SplitBackwardError(DONATED_BUFFERS)
+    for node in graph.weight_nodes:
+        if is_reentrant_checkpoint(node):
+            raise SplitBackwardError(
+                "a torch.utils.checkpoint region with use_reentrant=True is on this stage's "
+                "weight side; its backward refuses torch.autograd.grad, which B or W runs it "
+                "under. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
+                "or stage_backward (fused). No gradient has changed."
+            )
+
+
+def refuse_other_post_hooks(handle: Any, node: Node) -> None:
+    """Refuse a user's post hook on ``node`` (an intermediate W calls again); ``handle`` is B's own."""
+    if has_other_post_hooks(handle):
+        raise SplitBackwardError(
+            f"a post hook is registered on {node.name()}, an autograd node of this "
+            "stage that depends on both a stage input and a parameter (Node.register_hook, "
+            "or the deprecated Module.register_backward_hook): a split backward computes "
+            "its input and weight gradients in separate passes, so the hook cannot see "
+            "them together as in a fused backward. Register a tensor hook on the "
+            "activation or the parameter, or Module.register_full_backward_hook, instead; "
+            "or use stage_backward (fused). No gradient has changed."
+        )
+
+
+def refuse_engine_error(exc: RuntimeError) -> None:
+    """Turn a known failure of B's engine call into an error naming its fix (others: return)."""
+    kind = engine_error(exc)
+    if kind == "donated_buffer":  # a compiled block without parameters
+        raise SplitBackwardError(
+            DONATED_BUFFERS
+            + " (Custom backwards that ran before it in B may have had side effects.)"
+        ) from exc
+    if kind == "multi_grad_hook_all":
+        raise SplitBackwardError(
+            "a torch.autograd.graph.register_multi_grad_hook(mode='all') on this stage's "
+            "tensors (also what FlopCounterMode and ModuleTracker register per module) cannot "
+            "run under torch.autograd.grad, which a split backward's B runs (torch's own B "
+            "fails the same way). Use stage_backward (fused) while such a hook or mode is "
+            "active. No parameter or input gradient has changed."
+        ) from exc
+
+
+def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: set[int]) -> None:
+    """Refuse a non-leaf stage input that the stage modified in place with one of its parameters.
+
+    B reads the input's gradient edge after the forward, when it is already the
+    in-place node (``x.mul_(w)``): the walk would stop there, dropping ``w``'s
+    gradient and returning the gradient of the modified value, not of the input.
+    Detected when the input's node reaches a parameter within two steps (e.g.
+    through ``w.t()``); the previous stage's nodes reach none of this stage's.
+    """
+    node = tensor.grad_fn
+    if node is None:
+        return
+    frontier = [node]
+    for _ in range(2):
+        nxt = []
+        for current in frontier:
+            for child, _ in current.next_functions:
+                if child is None:
+                    continue
+                variable = leaf_variable(child)
+                if variable is not None and id(variable) in weight_ids:
+                    raise SplitBackwardError(
+                        f"input_values[{index}] was modified in place using one of the stage's "
+                        f"parameters ({describe(variable)}, through {node.name()}): a split "
+                        "backward would drop that parameter's gradient and return the gradient "
+                        "of the modified value. Clone the input before modifying it in place "
+                        "(x = x.clone()), or use stage_backward (fused)."
+                    )
+                nxt.append(child)
+        frontier = nxt
+
+
+def _refuse_multi_grad_hooks_across(
+    inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[torch.Tensor]
+) -> None:
+    """Refuse a ``register_multi_grad_hook`` spanning a stage input and a parameter.
+
+    B computes the input's gradient and W the parameter's, in two engine
+    passes: mode ``"any"`` would fire once in each, mode ``"all"`` cannot
+    collect both (torch's own B crashes in it).
+    """
+    if not inputs:
+        return
+    input_cells: set[int] = set()
+    for _, t in inputs:
+        input_cells |= multi_grad_hook_cells(t)
+    if not input_cells:
+        return
+    for w in weights:
+        if input_cells & multi_grad_hook_cells(w):
+            raise SplitBackwardError(
+                f"a torch.autograd.graph.register_multi_grad_hook spans a stage input and a "
+                f"{describe(w)}: a split backward gives them gradients in separate passes (B and "
+                "W), so the hook would fire twice (mode 'any') or never see both (mode 'all'). "
+                "Register it over the parameters only, or over the inputs only; or use "
+                "stage_backward (fused). No gradient has changed."
+            )
+
+
+def leaf_owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:
+    """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error."""
+    counterparts: dict[int, torch.Tensor] | None = None
+    owners: list[tuple[torch.Tensor, ...]] = []
+    for leaf in leaves:
+        if id(leaf) in weight_ids:
+            owners.append((leaf,))
+            continue
+        if counterparts is None:
+            counterparts = fsdp_counterparts()
+        other = counterparts.get(id(leaf))
+        if other is None or id(other) not in weight_ids:
+            raise SplitBackwardError(
+                f"the stage's graph accumulates into a {describe(leaf)} that is neither a stage "
+                "input nor one of `weights` (nor, for FSDP2, the counterpart of one). Pass every "
+                "parameter the stage uses in `weights` (submod.parameters()), or detach the tensor."
+            )
+        owners.append((leaf, other))
+    return owners
+
+
+def expect_handoff(param_groups: object) -> WeightGradHandoff:
+    if isinstance(param_groups, WeightGradHandoff):
+        return param_groups
+    if param_groups is None:
+        raise SplitBackwardError(
+            "stage_backward_weight got no hand-off (None): W needs the value "
+            "stage_backward_input returned for this microbatch. Run B first (or, for a stage "
+            "whose inputs need no gradient, use stage_backward)."
+        )
+    if isinstance(param_groups, list):
+        raise SplitBackwardError(
+            "stage_backward_weight got torch's own param_groups list, i.e. B ran with torch's "
+            "stage_backward_input. B and W must come from the same implementation: apply "
+            "gradsafe.patch('pipelining') before the schedule's first backward, not between B and W."
+        )
+    raise SplitBackwardError(
+        f"stage_backward_weight expected the WeightGradHandoff returned by stage_backward_input, "
+        f"got {type(param_groups).__name__}."
+    )

@@ -1,0 +1,141 @@
+"""Collecting a stage's outputs and their gradients: the roots B (and the fused backward) start from.
+
+The outputs may be tensors, ``GradientEdge``\ s, or tuples/lists/dicts of them
+(as torch's ``stage_backward`` accepts); their gradients come nested the same
+way, or as None for a loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from gradsafe.pipelining._handoff import SplitBackwardError, detached_by_split
+from gradsafe.pipelining._torch import input_meta
+
+__all__ = ["Root", "collect_roots", "tensor_list"]
+
+
+
+# Values that carry no gradient wherever they appear in a stage's outputs.
+_INERT = (type(None), bool, int, float, complex, str, bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    """One stage output B starts from: its gradient edge, output gradient, and tensor (if any)."""
+
+    edge: GradientEdge
+    grad: torch.Tensor
+    tensor: torch.Tensor | None
+
+
+def collect_roots(output: Any, grad: Any) -> list[Root]:
+    """Every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (None: a loss)."""
+    roots: list[Root] = []
+    _collect_roots(output, grad, "", roots, grad is None)
+    return roots
+
+
+def _implied_grad(shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if math.prod(shape) != 1:
+        raise SplitBackwardError(
+            f"stage output {path} requires grad but its output gradient is None, and a gradient "
+            "can only be implied for a single-element output (a loss). Pass its gradient, or a "
+            "zero tensor if it gets none."
+        )
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied: bool) -> None:
+    """Pair every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (same nesting).
+
+    A None gradient for a tuple/list/dict means no gradient flows there (as in
+    torch's ``stage_backward``), unless ``implied`` (a loss: output_grads=None).
+    """
+    if isinstance(output, torch.Tensor):
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise SplitBackwardError(
+                f"the output gradient for stage output {path} is a {type(grad).__name__}; "
+                "expected a Tensor or None."
+            )
+        if not output.requires_grad:
+            if detached_by_split(output):
+                raise SplitBackwardError(
+                    f"stage output {path} was detached by an earlier split backward: B already "
+                    "ran for this microbatch. Redo the forward for another backward."
+                )
+            return  # an output without a graph carries no gradient
+        if grad is None:
+            grad = _implied_grad(output.shape, path, output.dtype, output.device)
+        elif grad.shape != output.shape:
+            raise SplitBackwardError(
+                f"stage output {path} has shape {tuple(output.shape)} but its output gradient "
+                f"has shape {tuple(grad.shape)}."
+            )
+        roots.append(Root(get_gradient_edge(output), grad, output))
+    elif isinstance(output, GradientEdge):
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise SplitBackwardError(
+                f"the output gradient for GradientEdge {path} is a {type(grad).__name__}; "
+                "expected a Tensor or None."
+            )
+        shape, dtype, device = input_meta(output.node, output.output_nr)
+        if grad is None:
+            grad = _implied_grad(shape, path, dtype, device)
+        elif grad.shape != shape:
+            raise SplitBackwardError(
+                f"GradientEdge {path} expects a gradient of shape {tuple(shape)}, got "
+                f"{tuple(grad.shape)}."
+            )
+        roots.append(Root(output, grad, None))
+    elif isinstance(output, (tuple, list, dict)) and grad is None and not implied:
+        return
+    elif isinstance(output, (tuple, list)):
+        if grad is not None and (not isinstance(grad, (tuple, list)) or len(grad) != len(output)):
+            raise SplitBackwardError(
+                f"stage output {path} is a {type(output).__name__} of {len(output)} but its output "
+                f"gradient is {_shape_of(grad)}: pass one gradient (or None) per output, nested "
+                "the same way, or output_grads=None for a loss."
+            )
+        for index, item in enumerate(output):
+            _collect_roots(
+                item, None if grad is None else grad[index], f"{path}[{index}]", roots, implied
+            )
+    elif isinstance(output, dict):
+        if grad is not None and (not isinstance(grad, dict) or set(grad) != set(output)):
+            raise SplitBackwardError(
+                f"stage output {path} is a dict with keys {sorted(map(str, output))} but its output "
+                f"gradient is {_shape_of(grad)}: pass a dict with the same keys."
+            )
+        for key, item in output.items():
+            _collect_roots(
+                item, None if grad is None else grad[key], f"{path}[{key!r}]", roots, implied
+            )
+    elif not isinstance(output, _INERT):
+        raise SplitBackwardError(
+            f"stage output {path} is a {type(output).__name__}: B takes Tensors, GradientEdges, "
+            "and tuples/lists/dicts of them (None and Python scalars are ignored)."
+        )
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def tensor_list(values: Iterable[Any], what: str) -> list[torch.Tensor]:
+    items = list(values)
+    for index, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            raise SplitBackwardError(
+                f"{what}[{index}] is a {type(item).__name__}; expected the stage's parameters "
+                "(tensors), e.g. submod.parameters()."
+            )
+    return items

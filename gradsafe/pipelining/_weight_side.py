@@ -1,0 +1,133 @@
+"""``K``: the weight side B computes, and the checkpoint group B and W share.
+
+A stage's graph has an input side (nodes a stage input's gradient flows
+through) and a weight side (nodes only parameters' gradients flow through).
+B (``stage_backward_input``) runs the input side; W
+(``stage_backward_weight``) runs the weight side, calling again each input-side
+intermediate that has weight edges, on the gradient that arrived at it in B.
+
+Some intermediates W cannot call again: a custom Function's node computes all
+its gradients in one call, and a checkpointed or offloaded node may unpack its
+saved tensors only once per checkpoint group. B runs those whole, and then the
+weight side below their weight edges must run in B too, once, with its
+complete gradient. That part is ``K``: every weight-side node (accumulators
+included) below the weight edges of the intermediates B runs whole, closed
+so that nothing outside it sends into it. B's engine runs each node of ``K``
+once and captures (does not accumulate) the gradients reaching ``K``'s
+accumulators; W adds those kept gradients (:class:`~gradsafe.pipelining._weight_pass.Kept`)
+to the leaves' totals and runs no node of ``K`` again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node
+
+from gradsafe.pipelining._graph import Intermediate, StageGraph
+from gradsafe.pipelining._handoff import SplitBackwardError
+from gradsafe.pipelining._torch import current_exec_group, exec_group, has_hooked_saved, runs_whole
+
+__all__ = ["entered", "group_for", "weight_parts_in_b"]
+
+
+def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], bool]:
+    """The intermediates B runs whole, ``K`` (the weight side B computes with them), and
+    whether the stage has checkpointed (or offloaded) built-in nodes.
+
+    A custom Function's node computes all its gradients in one call (B runs
+    it, so W must not again), and a built-in intermediate whose saved tensors
+    come back through saved-tensor hooks (checkpointing, offloading) may
+    unpack them once per checkpoint group: W cannot call either. ``K`` is
+    every weight-side node (accumulators included) below their weight edges,
+    closed so that nothing outside it sends into it: an intermediate with a
+    weight edge into ``K`` joins them (and what lies below its weight edges
+    joins ``K``), and so does a weight-only node with a child in ``K``. B's
+    engine then runs each node of ``K`` once, with its complete gradient, and
+    W runs none of them; nothing W runs reaches ``K``.
+    """
+    # A custom Function's own saved tensors never matter here: B runs it whole
+    # and nothing unpacks them again.
+    in_b = {item for item in graph.intermediates if runs_whole(item.node)}
+    checkpointed = {
+        item for item in graph.intermediates if item not in in_b and has_hooked_saved(item.node)
+    }
+    in_b |= checkpointed
+    in_k: set[Node] = set()
+    # A checkpointed (or offloaded) weight-only node joins K too: its region
+    # then recomputes in B's engine call, in the order a fused backward
+    # recomputes regions (dropout with preserve_rng_state=False draws the same
+    # masks), never in W after all of B's.
+    hooked = [n for n in graph.weight_nodes if has_hooked_saved(n)]
+    has_checkpoints = bool(checkpointed or hooked)
+    if not graph.intermediates:
+        # B computes no weight part at all: W runs the whole weight side.
+        return in_b, in_k, has_checkpoints
+    if not in_b and not hooked:
+        return in_b, in_k, has_checkpoints
+    senders: dict[Node, list[Intermediate]] = {}
+    for item in graph.intermediates:
+        for e in item.weight_edges:
+            senders.setdefault(e.node, []).append(item)
+    parents: dict[Node, list[Node]] = {}
+    for node in graph.weight_nodes:
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+    items = list(in_b)
+    nodes: list[Node] = list(hooked)
+    in_k.update(hooked)
+    while items or nodes:
+        while items:
+            for e in items.pop().weight_edges:
+                if e.node not in in_k:
+                    in_k.add(e.node)
+                    nodes.append(e.node)
+        while nodes:
+            node = nodes.pop()
+            for child, _ in node.next_functions:
+                if child is not None and child not in in_k:
+                    in_k.add(child)
+                    nodes.append(child)
+            for parent in parents.get(node, ()):
+                if parent not in in_k:
+                    in_k.add(parent)
+                    nodes.append(parent)
+            for item in senders.get(node, ()):
+                if item not in in_b:
+                    in_b.add(item)
+                    items.append(item)
+    return in_b, in_k, has_checkpoints
+
+
+def group_for(has_checkpoints: bool) -> Any:
+    """A checkpoint group shared by B and W for a stage with checkpointed nodes, else None."""
+    if not has_checkpoints:
+        return None
+    if current_exec_group() is not None:
+        raise SplitBackwardError(
+            "stage_backward_input ran inside a torch.utils.checkpoint.GraphExecGroup: gradsafe "
+            "puts B and W of each microbatch in a group of their own (so a checkpointed region "
+            "recomputes once across them), and groups cannot nest. Call B and W outside it."
+        )
+    group = exec_group()
+    if group is None:
+        raise SplitBackwardError(
+            f"this stage has activation-checkpointed ops and torch {torch.__version__} has no "
+            "torch.utils.checkpoint.GraphExecGroup, so W would recompute them a second time "
+            "(different dropout with preserve_rng_state=False). Use a torch with it, or "
+            "stage_backward (fused). No gradient has changed."
+        )
+    return group
+
+
+@contextlib.contextmanager
+def entered(group: Any) -> Iterator[None]:
+    if group is None:
+        yield
+    else:
+        with group:
+            yield
