@@ -33,7 +33,8 @@ from typing import Any, Literal
 import torch
 from typing_extensions import TypeAlias
 
-from gradsafe.cuda_graphs._structure import (
+from gradsafe.cuda_graphs._autograd import (
+    accumulate_grad_keeps,
     function_class_of,
     has_tensor_hooks,
     is_accumulate_grad,
@@ -68,7 +69,7 @@ def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
         return False
     if policy == "always" or fate == "captured":
         return True
-    return leaf.grad is None or has_tensor_hooks(leaf)
+    return accumulate_grad_keeps(leaf)
 
 
 def _nonleaf_needs_copy(

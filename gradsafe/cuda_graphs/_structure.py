@@ -1,4 +1,4 @@
-"""Everything gradsafe assumes about the installed torch's CUDA-graph and autograd internals, probed here only.
+"""What gradsafe assumes about how the installed torch builds graphed callables, probed here only.
 
 ``torch.cuda.make_graphed_callables`` builds, per callable, a closure
 ``functionalized`` over an ``autograd.Function`` subclass named ``Graphed``
@@ -11,7 +11,8 @@ nothing else of upstream's callable changes.
 
 If the installed torch builds its callables differently, :func:`find_graphed_site`
 raises :class:`UnsupportedTorchError` naming the torch version, so gradsafe never
-returns callables it could not make safe.
+returns callables it could not make safe. What gradsafe reads from autograd
+while a backward runs is in :mod:`~gradsafe.cuda_graphs._autograd`.
 """
 
 from __future__ import annotations
@@ -19,27 +20,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from collections.abc import Iterable
-from typing import Literal
 
 import torch
 
 from gradsafe._torch_support import SUPPORTED_TORCH
-from gradsafe.wgrad.markers import hook_keeps_no_gradient
 
-__all__ = [
-    "GraphedSite",
-    "LeafFate",
-    "UnsupportedTorchError",
-    "find_graphed_site",
-    "graphed_inputs",
-    "function_class_of",
-    "has_tensor_hooks",
-    "is_accumulate_grad",
-    "is_accumulating_backward",
-    "leaf_fate",
-    "will_execute",
-]
+__all__ = ["GraphedSite", "UnsupportedTorchError", "find_graphed_site", "graphed_inputs"]
 
 _CLASS_NAME = "Graphed"
 
@@ -201,60 +187,3 @@ def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
     if any(g is not None and not isinstance(g, torch.Tensor) for g in returned_grads[leading:]):
         raise _unsupported(f"{_CLASS_NAME}.backward returns a non-tensor gradient for an input")
     return GraphedSite(cell, graphed_cls, leading)
-
-
-_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
-
-
-def function_class_of(node: object) -> type | None:
-    """The ``autograd.Function`` subclass whose backward ``node`` runs, if it is one."""
-    return getattr(type(node), "_forward_cls", None)
-
-
-def has_tensor_hooks(t: torch.Tensor) -> bool:
-    """Whether ``t`` has hooks from ``Tensor.register_hook`` that receive, and may keep, its gradient.
-
-    Hooks gradsafe declared as keeping nothing (the wgrad flag watcher) do not count.
-    """
-    hooks = getattr(t, "_backward_hooks", None) or {}
-    return any(not hook_keeps_no_gradient(h) for h in hooks.values())
-
-
-def is_accumulate_grad(node: object) -> bool:
-    """Whether ``node`` is the gradient accumulator of a leaf tensor."""
-    return isinstance(node, _ACCUMULATE_GRAD)
-
-
-def will_execute(node: object) -> bool:
-    """Whether the running backward will run ``node`` (called from inside a backward)."""
-    return bool(torch._C._will_engine_execute_node(node))  # type: ignore[arg-type]
-
-
-LeafFate = Literal["accumulated", "captured", "discarded"]
-
-
-def leaf_fate(accumulator: object) -> LeafFate:
-    """What the running backward does with the gradient flowing into a leaf's accumulator.
-
-    ``accumulated``: AccumulateGrad runs (``.backward()``, or ``backward(inputs=)``
-    naming the leaf). ``captured``: ``torch.autograd.grad`` returns it to the
-    caller. ``discarded``: neither (the leaf is not among the requested inputs).
-    The engine refuses to answer for a leaf that autograd.grad captures; that
-    refusal is how a capture is recognised.
-    """
-    try:
-        return "accumulated" if will_execute(accumulator) else "discarded"
-    except RuntimeError:
-        return "captured"
-
-
-def is_accumulating_backward(nodes: Iterable[object]) -> bool:
-    """Whether the running backward is ``Tensor.backward``/``torch.autograd.backward``.
-
-    True only with evidence: some leaf accumulator among ``nodes`` will run.
-    ``torch.autograd.grad`` never runs an accumulator (it captures or skips
-    leaves), and it is the one entry point that hands a non-leaf's incoming
-    gradient back to the caller as is; ``backward(inputs=[h])`` copies into
-    ``h.grad``. False means "may be autograd.grad, or no leaf to tell by".
-    """
-    return any(is_accumulate_grad(n) and leaf_fate(n) == "accumulated" for n in nodes)

@@ -36,7 +36,12 @@ from typing import Any
 
 import torch
 
-from gradsafe.cuda_graphs._structure import has_tensor_hooks, is_accumulate_grad, leaf_fate
+from gradsafe.cuda_graphs._autograd import (
+    accumulate_grad_keeps,
+    has_tensor_hooks,
+    is_accumulate_grad,
+    leaf_fate,
+)
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
 from gradsafe.pipelining import stage_backward_input
 from gradsafe.pipelining import WeightGradHandoff
@@ -150,7 +155,7 @@ def _input_grad_kept(node: Any) -> bool:
         return False
     if fate == "captured":
         return True  # torch.autograd.grad returns it to the caller
-    return leaf.grad is None or has_tensor_hooks(leaf)
+    return accumulate_grad_keeps(leaf)
 
 
 class GraphedSplitStages:
@@ -318,9 +323,7 @@ class GraphedSplitStages:
             for p, static in zip(self._params[slot.chunk], slot.static_grad_params):
                 if static is None:
                     continue
-                # AccumulateGrad keeps the incoming tensor as .grad when .grad is None, and a
-                # tensor hook receives it; otherwise it adds it in place and lets it go.
-                if p.grad is None or has_tensor_hooks(p):
+                if accumulate_grad_keeps(p):
                     grads.append(static.clone())
                     self.copies += 1
                 else:

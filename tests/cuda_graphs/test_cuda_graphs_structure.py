@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gradsafe.cuda_graphs._structure import has_tensor_hooks, is_accumulating_backward, leaf_fate
+from gradsafe.cuda_graphs._autograd import has_tensor_hooks, is_accumulating_backward, leaf_fate
 
 
 def _fates_during(run: Any) -> list[str]:
