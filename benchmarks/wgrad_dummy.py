@@ -45,12 +45,12 @@ def fresh_full(param: torch.Tensor) -> torch.Tensor:
 
 
 def flagging(make: Callable[[torch.Tensor], torch.Tensor]) -> ReturnPolicy:
-    def policy(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-        if accumulated_into_main_grad and not delayed:
+    def policy(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
+        if accumulate_into_main_grad and not delayed:
             param.grad_added_to_main_grad = True
             return make(param)
         return wgrad_return(
-            param, wgrad, accumulated_into_main_grad=accumulated_into_main_grad, delayed=delayed
+            param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed
         )
 
     return policy
@@ -75,8 +75,8 @@ def inspect(w: torch.Tensor, x: torch.Tensor, fused: bool, policy: ReturnPolicy)
     returned: list[torch.Tensor | None] = []
     seen: list[tuple[int, int]] = []
 
-    def recording(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-        returned.append(policy(param, wgrad, accumulated_into_main_grad=accumulated_into_main_grad, delayed=delayed))
+    def recording(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
+        returned.append(policy(param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed))
         return returned[-1]
 
     handle = w.register_post_accumulate_grad_hook(
@@ -116,7 +116,7 @@ def main() -> None:
         BASE: 0,
         "shared element (before)": _shared.untyped_storage().nbytes(),
         "TE-style cached full buffer": te_policy(
-            w, None, accumulated_into_main_grad=True, delayed=False
+            w, None, accumulate_into_main_grad=True, delayed=False
         ).untyped_storage().nbytes(),  # type: ignore[union-attr]
         "fresh zeros_like": 0,
         "unfused, return wgrad": 0,

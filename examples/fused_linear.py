@@ -79,7 +79,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         else:
             wgrad = compute(None)
         returned = wgrad_return(
-            weight, wgrad, accumulated_into_main_grad=ctx.fuse, delayed=ctx.store is not None
+            weight, wgrad, accumulate_into_main_grad=ctx.fuse, delayed=ctx.store is not None
         )
         return dgrad, returned, None, None
 

@@ -12,14 +12,14 @@ one under Megatron-style hooks.
 """
 
 from gradsafe.wgrad._policy import dummy_wgrad, wgrad_return
-from gradsafe.wgrad._store import GradReadyHook, PendingWeightGrads, WeightGradStore, WgradClosure
+from gradsafe.wgrad._store import GradReadyHook, PendingWeightGrads, WeightGradClosure, WeightGradStore
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 
 __all__ = [
     "GradReadyHook",
     "PendingWeightGrads",
+    "WeightGradClosure",
     "WeightGradStore",
-    "WgradClosure",
     "dummy_wgrad",
     "grad_lifetime_is_managed",
     "mark_delayed_wgrad",

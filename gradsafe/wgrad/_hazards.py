@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from gradsafe.checks import Check, Outcome
 from gradsafe.testing.megatron import HookCall, MegatronStyleDDP
 from gradsafe.wgrad._policy import wgrad_return
-from gradsafe.wgrad._store import GradReadyHook, WeightGradStore, WgradClosure
+from gradsafe.wgrad._store import GradReadyHook, WeightGradClosure, WeightGradStore
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["CHECKS"]
@@ -49,7 +49,7 @@ class ReturnPolicy(Protocol):
         param: torch.Tensor,
         wgrad: torch.Tensor | None,
         *,
-        accumulated_into_main_grad: bool,
+        accumulate_into_main_grad: bool,
         delayed: bool,
     ) -> torch.Tensor | None: ...
 
@@ -58,7 +58,7 @@ class Recorder(Protocol):
     """Where B records delayed weight-gradient work."""
 
     def record(
-        self, param: torch.Tensor, compute: WgradClosure, *, accumulate_into_main_grad: bool
+        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
     ) -> None: ...
 
 
@@ -107,7 +107,7 @@ class _ReproLinear(torch.autograd.Function):
         else:
             wgrad = compute(None)
         returned = ctx.policy(
-            weight, wgrad, accumulated_into_main_grad=ctx.fuse, delayed=ctx.store is not None
+            weight, wgrad, accumulate_into_main_grad=ctx.fuse, delayed=ctx.store is not None
         )
         return dgrad, returned, None, None, None
 
@@ -155,13 +155,13 @@ def te_policy(
     param: torch.Tensor,
     wgrad: torch.Tensor | None,
     *,
-    accumulated_into_main_grad: bool,
+    accumulate_into_main_grad: bool,
     delayed: bool,
 ) -> torch.Tensor | None:
     """TransformerEngine's return: delayed -> None; fused -> cached full-size dummy if flagged, else None."""
     if delayed:
         return None
-    if not accumulated_into_main_grad:
+    if not accumulate_into_main_grad:
         return wgrad
     if not hasattr(param, "grad_added_to_main_grad"):
         return None
@@ -175,7 +175,7 @@ def te_policy(
 class _TEPending:
     def __init__(
         self,
-        uses: list[tuple[torch.Tensor, WgradClosure, bool]],
+        uses: list[tuple[torch.Tensor, WeightGradClosure, bool]],
         hooks: dict[int, OrderedDict[int, GradReadyHook]],
     ) -> None:
         self._uses = uses
@@ -203,11 +203,11 @@ class TEStyleStore:
     """TransformerEngine's delayed W, modelled: runs each use and assigns ``.grad``."""
 
     def __init__(self) -> None:
-        self._uses: list[tuple[torch.Tensor, WgradClosure, bool]] = []
+        self._uses: list[tuple[torch.Tensor, WeightGradClosure, bool]] = []
         self._hooks: dict[int, OrderedDict[int, GradReadyHook]] = {}
 
     def record(
-        self, param: torch.Tensor, compute: WgradClosure, *, accumulate_into_main_grad: bool
+        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
     ) -> None:
         self._uses.append((param, compute, accumulate_into_main_grad))
 
@@ -227,7 +227,7 @@ def unwatched_policy(
     param: torch.Tensor,
     wgrad: torch.Tensor | None,
     *,
-    accumulated_into_main_grad: bool,
+    accumulate_into_main_grad: bool,
     delayed: bool,
 ) -> torch.Tensor | None:
     """gradsafe's policy before mixed uses were handled: every fused call sets the flag and returns a dummy.
@@ -237,7 +237,7 @@ def unwatched_policy(
     """
     if delayed:
         return None
-    if not accumulated_into_main_grad:
+    if not accumulate_into_main_grad:
         return wgrad
     if not hasattr(param, "grad_added_to_main_grad"):
         return None

@@ -126,7 +126,7 @@ def wgrad_return(
     param: torch.Tensor,
     wgrad: torch.Tensor | None,
     *,
-    accumulated_into_main_grad: bool,
+    accumulate_into_main_grad: bool,
     delayed: bool,
 ) -> torch.Tensor | None:
     """What to return in ``param``'s gradient slot of a custom ``backward``.
@@ -136,7 +136,7 @@ def wgrad_return(
         wgrad: the weight gradient this backward computed and did not put
             anywhere else (only used in the plain, undelayed, unfused case;
             may be None otherwise).
-        accumulated_into_main_grad: this backward (or, when ``delayed``, the
+        accumulate_into_main_grad: this backward (or, when ``delayed``, the
             later W pass) adds the weight gradient straight into
             ``param.main_grad``.
         delayed: the weight gradient is not computed now but by a later W
@@ -167,7 +167,7 @@ def wgrad_return(
     """
     if delayed:
         return None
-    if not accumulated_into_main_grad:
+    if not accumulate_into_main_grad:
         if wgrad is None:
             raise ValueError(
                 "wgrad_return: wgrad is None but the weight gradient was neither delayed nor "

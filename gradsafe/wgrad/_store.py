@@ -33,9 +33,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
-__all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WgradClosure"]
+__all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WeightGradClosure"]
 
-WgradClosure: TypeAlias = Callable[[torch.Tensor | None], torch.Tensor | None]
+WeightGradClosure: TypeAlias = Callable[[torch.Tensor | None], torch.Tensor | None]
 """One use's weight-gradient computation, run at W time.
 
 Called with ``param.main_grad`` when the use was recorded with
@@ -51,7 +51,7 @@ GradReadyHook: TypeAlias = Callable[[torch.Tensor], None]
 @dataclasses.dataclass(frozen=True)
 class _Use:
     param: torch.Tensor
-    compute: WgradClosure
+    compute: WeightGradClosure
     accumulate_into_main_grad: bool
 
 
@@ -139,7 +139,7 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
     for use in uses:
         if use.compute(main_grad) is not None:
             raise RuntimeError(
-                "a fused WgradClosure returned a tensor; when called with main_grad it must add "
+                "a fused WeightGradClosure returned a tensor; when called with main_grad it must add "
                 "its gradient into main_grad and return None"
             )
 
@@ -151,7 +151,7 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
         if wgrad is None or wgrad.shape != param.shape:
             got = None if wgrad is None else tuple(wgrad.shape)
             raise RuntimeError(
-                f"an unfused WgradClosure must return the weight gradient of shape "
+                f"an unfused WeightGradClosure must return the weight gradient of shape "
                 f"{tuple(param.shape)}, got {got}"
             )
         total = wgrad if total is None else total.add_(wgrad)
@@ -179,7 +179,7 @@ class WeightGradStore:
         self._hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def record(
-        self, param: torch.Tensor, compute: WgradClosure, *, accumulate_into_main_grad: bool
+        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
     ) -> None:
         """Record one use of ``param`` whose weight gradient ``compute`` produces at W time.
 

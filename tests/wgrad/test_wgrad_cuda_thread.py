@@ -18,12 +18,12 @@ def _hook_and_backward_threads(return_none: bool) -> tuple[int, int, bool]:
     seen: dict[str, int] = {}
     grad_none: list[bool] = []
 
-    def policy(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
+    def policy(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
         seen["backward"] = threading.get_ident()
         if return_none:
             return None
         return wgrad_return(
-            param, wgrad, accumulated_into_main_grad=accumulated_into_main_grad, delayed=delayed
+            param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed
         )
 
     node = w.expand_as(w).grad_fn.next_functions[0][0]

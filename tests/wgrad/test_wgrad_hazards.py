@@ -29,19 +29,19 @@ def ref():  # type: ignore[no-untyped-def]
     return reference(microbatches=4)
 
 
-def _return_main_grad_view(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-    if accumulated_into_main_grad and not delayed:
+def _return_main_grad_view(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
+    if accumulate_into_main_grad and not delayed:
         return param.main_grad.view_as(param.main_grad)
     return wgrad_return(
-        param, wgrad, accumulated_into_main_grad=accumulated_into_main_grad, delayed=delayed
+        param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed
     )
 
 
-def _return_none_when_fused(param, wgrad, *, accumulated_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-    if accumulated_into_main_grad:
+def _return_none_when_fused(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
+    if accumulate_into_main_grad:
         return None
     return wgrad_return(
-        param, wgrad, accumulated_into_main_grad=accumulated_into_main_grad, delayed=delayed
+        param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed
     )
 
 

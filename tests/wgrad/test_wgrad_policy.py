@@ -24,7 +24,7 @@ def test_table(delayed: bool, fused: bool, has_flag: bool, expected: str | None)
     if has_flag:
         param.grad_added_to_main_grad = False
     wgrad = torch.randn(4, 3)
-    got = wgrad_return(param, wgrad, accumulated_into_main_grad=fused, delayed=delayed)
+    got = wgrad_return(param, wgrad, accumulate_into_main_grad=fused, delayed=delayed)
     if expected == "wgrad":
         assert got is wgrad
     elif expected == "dummy":
@@ -41,7 +41,7 @@ def test_table(delayed: bool, fused: bool, has_flag: bool, expected: str | None)
 def test_plain_row_needs_the_gradient() -> None:
     param = torch.nn.Parameter(torch.randn(2))
     with pytest.raises(ValueError, match="pass the computed weight gradient"):
-        wgrad_return(param, None, accumulated_into_main_grad=False, delayed=False)
+        wgrad_return(param, None, accumulate_into_main_grad=False, delayed=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -82,7 +82,7 @@ class _FusedFlagged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[no-untyped-def]
-        return g, wgrad_return(ctx.w, None, accumulated_into_main_grad=True, delayed=False)
+        return g, wgrad_return(ctx.w, None, accumulate_into_main_grad=True, delayed=False)
 
 
 def _flagged(*shape: int) -> torch.nn.Parameter:
@@ -163,7 +163,7 @@ def test_one_dummy_per_backward_for_tied_fused_uses() -> None:
 
         @staticmethod
         def backward(ctx, g):  # type: ignore[no-untyped-def]
-            returned.append(wgrad_return(ctx.w, None, accumulated_into_main_grad=True, delayed=False))
+            returned.append(wgrad_return(ctx.w, None, accumulate_into_main_grad=True, delayed=False))
             return g, returned[-1]
 
     seen: list[torch.Tensor] = []
