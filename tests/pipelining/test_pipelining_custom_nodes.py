@@ -8,12 +8,15 @@ hook ran as often as in the fused backward.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch._functorch.config
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
@@ -330,3 +333,340 @@ def test_donated_buffers_are_a_clear_error_at_b() -> None:
     with pytest.raises(SplitBackwardError, match=r"torch\._functorch\.config\.donated_buffer = False"):
         stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
     assert x.grad is None and all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.usefixtures("fp64")
+def test_checkpointed_forward_side_effects_happen_as_often_as_in_a_fused_backward() -> None:
+    """Severity: wrong model state silently. With non-reentrant activation checkpointing the
+    checkpointed forward is recomputed on unpack - once in a fused backward, but twice with B + W
+    (once in B, once in W; docs only mention the cost). Forward side effects therefore happen an
+    extra time: a train-mode BatchNorm inside the block updates running_mean/var and
+    num_batches_tracked 3 times per microbatch instead of 2 (MoE load counters, etc. likewise)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4)).train()
+    x = torch.randn(8, 4, requires_grad=True)
+    g = torch.randn(8, 4)
+    checkpoint(m, x, use_reentrant=False).backward(g)
+    fused_updates = int(m[1].num_batches_tracked)
+    fused_mean = m[1].running_mean.clone()
+    m[1].reset_running_stats()
+    out = checkpoint(m, x, use_reentrant=False)
+    _, handoff = stage_backward_input([out], [g], [x], m.parameters())
+    stage_backward_weight(m.parameters(), handoff)
+    assert int(m[1].num_batches_tracked) == fused_updates
+    torch.testing.assert_close(m[1].running_mean, fused_mean)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_reentrant_checkpoint_on_the_weight_only_side_is_refused_in_b() -> None:
+    """Severity: CRASH (late: B ran, returned input gradients the schedule sends on, then W
+    fails and the hand-off is FAILED, so the microbatch's weight gradient is lost); every
+    weight-only node runs under W's ``autograd.grad(inputs=...)``.
+    ``checkpoint(f, w, use_reentrant=True)`` computed from parameters alone: B never runs it,
+    W's engine pass does and torch refuses ("incompatible with .grad() or passing an `inputs`
+    parameter"). Expected: refused in B before anything changes (as documented for the
+    input side), or honoured.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    wt = checkpoint(lambda a: torch.sin(a) * 2, w, use_reentrant=True)
+    out = torch.tanh(x @ wt)
+    try:
+        _, handoff = stage_backward_input([out], [torch.randn(3, 4)], [x], [w])
+    except SplitBackwardError:
+        assert x.grad is None and w.grad is None  # refused in B, nothing changed: fine
+        return
+    stage_backward_weight([w], handoff)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_compiled_weight_only_block_with_donated_buffers() -> None:
+    """Severity: CRASH (late: after B) with a MISLEADING ERROR.
+
+    A compiled weight transform (weight-norm, fake-quant, a LoRA merge ``w + a @ b``) computed
+    from parameters alone is a weight-only ``CompiledFunctionBackward``. B never runs it, so B's
+    donated-buffer check (which names ``torch._functorch.config.donated_buffer = False``) never
+    fires; W's new engine pass runs it with ``retain_graph=True`` and torch refuses ("compiled
+    with non-empty donated buffers which requires ... retain_graph=False"), wrapped as "the
+    weight pass failed ... saved tensors ... gone: redo the microbatch's forward and backward".
+    A fused backward works.
+    """
+    transform = torch.compile(
+        lambda w: torch.sin(torch.cos(w) * 3) @ torch.tanh(w * 2), backend="aot_eager"
+    )
+
+    def stage(w: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ transform(w))
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    stage(w, x).backward(g)  # compiles the backward (buffers donated from now on)
+    want = torch.autograd.grad(stage(w, x), [x, w], g)
+    w.grad = None
+    x.grad = None
+    with pytest.raises(SplitBackwardError, match="donated_buffer = False"):
+        stage_backward_input([stage(w, x)], [g], [x], [w])
+    assert w.grad is None and x.grad is None
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        stage(w, x).backward(g)
+        w.grad = None
+        x.grad = None
+        _, handoff = stage_backward_input([stage(w, x)], [g], [x], [w])
+        stage_backward_weight([w], handoff)
+    torch.testing.assert_close(x.grad, want[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(w.grad, want[1], rtol=0, atol=1e-12)
+
+
+class _Scale(torch.autograd.Function):
+    """A custom Function weight transform (what a quantizer or weight-norm kernel is)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(w)
+        return w * 1.5
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (w,) = ctx.saved_tensors
+        return g * 1.5 + 0 * w
+
+
+def _backward(loss: torch.Tensor, x: torch.Tensor, params: list[nn.Parameter], split: bool) -> list[torch.Tensor | None]:
+    if split:
+        (dx,), handoff = stage_backward_input(loss, None, [x], params)
+        stage_backward_weight(params, handoff)
+    else:
+        loss.backward()
+        dx = x.grad
+    return [dx, *(p.grad for p in params)]
+
+
+def _weight_only_custom_function_in_a_region(split: bool) -> tuple[int, list[torch.Tensor | None]]:
+    torch.manual_seed(0)
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    runs = [0]
+
+    def region(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs[0] += 1
+        return a.sin(), _Scale.apply(b)
+
+    s, ws = checkpoint(region, x, u, use_reentrant=False)
+    loss = (s @ ws).pow(2).sum()
+    before = runs[0]
+    grads = _backward(loss, x, [u], split)
+    return runs[0] - before, grads
+
+
+@pytest.mark.usefixtures("fp64")
+def test_custom_function_on_the_weight_side_of_a_checkpointed_region_recomputes_once() -> None:
+    """Severity: wrong recompute count (and, with dropout and preserve_rng_state=False in the
+    region, a different mask for W's unpack).
+
+    One checkpointed region computes ``sin(x)`` (input side, not an intermediate) and a custom
+    Function of the parameter ``u`` (weight-only); a plain ``@`` joins them. No intermediate is
+    checkpointed, so ``in_b`` is empty, and ``_group_for`` looks for hooked saved tensors only on
+    *built-in* weight-only nodes (``not is_python_node(n)``): the custom Function node saved
+    ``u`` through the checkpoint's hooks too, but B and W get no ``GraphExecGroup``. B unpacks
+    ``sin``'s input (recompute 1), W's engine pass unpacks the Function's (recompute 2). Fused: 1.
+    """
+    fused_runs, fused = _weight_only_custom_function_in_a_region(split=False)
+    split_runs, split = _weight_only_custom_function_in_a_region(split=True)
+    for f, s in zip(fused, split):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+    assert (fused_runs, split_runs) == (1, 1)
+
+
+def _dropconnect(split: bool) -> list[torch.Tensor | None]:
+    torch.manual_seed(0)
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    h = checkpoint(lambda a: F.dropout(a.sin(), 0.5), x, use_reentrant=False, preserve_rng_state=False)
+    # A checkpointed weight-only region with dropout (DropConnect-style), created after `h`'s.
+    wd = checkpoint(lambda b: F.dropout(b * 1.0, 0.5), u, use_reentrant=False, preserve_rng_state=False)
+    loss = (h @ wd).pow(2).sum()
+    torch.manual_seed(1)  # the same RNG state at the start of both backwards
+    return _backward(loss, x, [u], split)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_weight_only_checkpointed_dropout_sees_the_fused_masks() -> None:
+    """Severity: silent wrong gradient (dx and u.grad), with preserve_rng_state=False only.
+
+    The docs promise the fused backward's dropout masks also with ``preserve_rng_state=False``.
+    Each region does recompute once, but a checkpointed region on the weight-only side outside
+    ``K`` recomputes in W's engine pass, after every region B recomputed; a fused backward
+    recomputes the regions in its own (sequence-number) order, here the weight-only one first.
+    The regions draw their masks from the global RNG in a different order, so both ``dx`` and
+    ``u.grad`` differ from the fused backward's.
+    """
+    fused = _dropconnect(split=False)
+    split = _dropconnect(split=True)
+    for f, s in zip(fused, split):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+
+
+def _in_place_on_a_view_in_a_region(split: bool, dropout: bool) -> tuple[int, list[torch.Tensor | None]]:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    runs = [0]
+
+    def region(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        y = torch.tanh(a) * 1.0
+        if dropout:
+            y = F.dropout(y, 0.3)
+        y[:, :2].mul_(b[0, :2])  # in place on a view: a CopySlices node wrapping MulBackward0
+        return y
+
+    h = checkpoint(region, x, w, use_reentrant=False, preserve_rng_state=False)
+    loss = (h @ w).pow(2).sum()
+    before = runs[0]
+    torch.manual_seed(7)  # the same RNG state at the start of both backwards
+    grads = _backward(loss, x, [w], split)
+    return runs[0] - before, grads
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("dropout", [False, True])
+def test_in_place_on_a_view_inside_a_checkpoint_recomputes_once(dropout: bool) -> None:
+    """Severity: wrong recompute count; with dropout and preserve_rng_state=False, silent wrong
+    gradient (``w.grad`` off by ~5.8 here).
+
+    ``y[:, :2].mul_(w[0, :2])`` inside a checkpointed region makes a ``CopySlices`` node (an
+    intermediate: edges to ``y``'s input side and to ``w``'s slice). Its saved tensors live in
+    the wrapped ``MulBackward0``; ``CopySlices`` itself has no ``_raw_saved_*`` attributes, so
+    ``has_hooked_saved`` says no, it is not computed in B, and W calls it directly: the inner
+    node unpacks the checkpointed tensors again and the region recomputes a second time (fused:
+    once), drawing a new dropout mask for W's weight gradient.
+    """
+    fused_runs, fused = _in_place_on_a_view_in_a_region(split=False, dropout=dropout)
+    split_runs, split = _in_place_on_a_view_in_a_region(split=True, dropout=dropout)
+    for f, s in zip(fused, split):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+    assert (fused_runs, split_runs) == (1, 1)
+
+
+_CPP_MATMUL = r"""
+#include <torch/extension.h>
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+static int64_t backward_calls = 0;
+struct MatmulFn : public torch::autograd::Function<MatmulFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w) {
+    ctx->save_for_backward({x, w});
+    return x.mm(w);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    backward_calls += 1;  // a kernel library's side effect (e.g. main_grad += dW) would go here
+    auto saved = ctx->get_saved_variables();
+    return {grads[0].mm(saved[1].t()), saved[0].t().mm(grads[0])};
+  }
+};
+torch::Tensor matmul(torch::Tensor x, torch::Tensor w) { return MatmulFn::apply(x, w); }
+int64_t calls() { return backward_calls; }
+"""
+
+
+def _cpp_matmul_stage(ext, split: bool, checkpointed: bool) -> tuple[int, int, list[torch.Tensor | None]]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    runs = [0]
+
+    def region(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        return torch.tanh(ext.matmul(F.dropout(a.sin(), 0.3), b))
+
+    if checkpointed:
+        h = checkpoint(region, x, w, use_reentrant=False, preserve_rng_state=False)
+    else:
+        h = torch.tanh(ext.matmul(x, w))
+    loss = h.pow(2).sum()
+    before, calls = runs[0], ext.calls()
+    torch.manual_seed(7)
+    grads = _backward(loss, x, [w], split)
+    return runs[0] - before, ext.calls() - calls, grads
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.skipif(
+    shutil.which("c++") is None or os.environ.get("GRADSAFE_BUILD_EXTENSIONS") != "1",
+    reason="builds a C++ extension (about a minute): set GRADSAFE_BUILD_EXTENSIONS=1 (CI does on one torch)",
+)
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_cpp_custom_function_backward_runs_once(checkpointed: bool) -> None:
+    """Severity: wrong call count of a custom backward (side effects such as ``main_grad += dW``
+    happen twice: silent wrong gradient); inside a checkpoint also a wrong recompute count and,
+    with dropout and preserve_rng_state=False, a silent wrong ``w.grad`` (off by ~2 here).
+
+    A ``torch::autograd::Function`` from a C++ extension has a ``CppFunction`` node, which is
+    not a ``torch._C._FunctionBase``, so ``is_python_node`` says built-in: it is not computed
+    whole in B. B runs its backward for ``dx``, and W calls the node directly for ``dW``: its
+    backward runs twice per microbatch (fused: once). Its saved tensors are not
+    ``_raw_saved_*`` attributes either, so inside a checkpoint ``has_hooked_saved`` misses them
+    and W's call unpacks them again: the region recomputes a second time with a new mask.
+    The extension is built once per torch into torch's extension cache (about a minute).
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    ext = load_inline("gradsafe_test_cpp_matmul", cpp_sources=_CPP_MATMUL, functions=["matmul", "calls"])
+    fused_runs, fused_calls, fused = _cpp_matmul_stage(ext, split=False, checkpointed=checkpointed)
+    split_runs, split_calls, split = _cpp_matmul_stage(ext, split=True, checkpointed=checkpointed)
+    for f, s in zip(fused, split):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+    assert (fused_runs, split_runs) == (int(checkpointed), int(checkpointed))
+    assert (fused_calls, split_calls) == (1, 1)
+
+
+class _InPlaceScale(torch.autograd.Function):
+    """An in-place custom Function (``mark_dirty``), Megatron-style: ``dv`` goes to ``v.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a.clone(), v)
+        ctx.weight = v
+        a.mul_(v)
+        ctx.mark_dirty(a)
+        return a
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        a0, v = ctx.saved_tensors
+        ctx.weight.main_grad += (g * a0).sum(0)
+        return g * v, None
+
+
+def _in_place_custom_function_on_a_view(split: bool) -> list[torch.Tensor | None]:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    v = nn.Parameter(torch.randn(2))
+    v.main_grad = torch.zeros(2)  # type: ignore[attr-defined]
+    x = torch.randn(3, 4, requires_grad=True)
+    y = torch.tanh(x) * 1.0
+    _InPlaceScale.apply(y[:, :2], v)  # on a view: the node is a CopySlices wrapping the PyNode
+    loss = (y @ w).pow(2).sum()
+    return [*_backward(loss, x, [w, v], split), v.main_grad]  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("fp64")
+def test_in_place_custom_function_on_a_view_runs_once() -> None:
+    """Severity: silent wrong gradient (``v.main_grad`` doubled; the custom backward runs twice).
+
+    A custom Function applied in place to a view (``mark_dirty``) is wrapped by autograd in a
+    ``CopySlices`` node, a built-in node: ``is_python_node`` says no, so it is not computed
+    whole in B. B runs it (and the wrapped Function's backward) for ``dx``; W calls the
+    ``CopySlices`` directly for ``w``'s side, which runs the Function's backward again:
+    its ``main_grad += dv`` happens twice.
+    """
+    fused = _in_place_custom_function_on_a_view(split=False)
+    split = _in_place_custom_function_on_a_view(split=True)
+    for f, s in zip(fused, split):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)

@@ -235,3 +235,55 @@ def test_in_place_weight_use_on_a_non_leaf_input_is_refused() -> None:
     stage_backward_weight(holder.parameters(), handoff)
     torch.testing.assert_close(dx, want[0])
     torch.testing.assert_close(w.grad, want[1])
+
+
+class _MainGradMatmul(torch.autograd.Function):
+    """Megatron-style: ``dW`` is added to ``w.main_grad``, autograd gets None for ``w``."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h, w)
+        ctx.weight = w
+        return h @ w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        h, w = ctx.saved_tensors
+        ctx.weight.main_grad += h.t() @ g
+        return g @ w.t(), None
+
+
+@pytest.mark.usefixtures("fp64")
+def test_refused_b_changes_nothing_with_main_grad() -> None:
+    """Severity: misleading error (a refused B has already changed ``main_grad``; redoing the
+    microbatch as the message suggests, or falling back to ``stage_backward``, counts it twice).
+
+    The donated-buffer refusal is raised from inside B's engine call: every node that ran before
+    the compiled block's backward has run, including a Megatron-style custom Function's
+    ``main_grad += dW`` (and any hook on ``K``). The message says no parameter gradient has
+    changed; ``w.main_grad`` has.
+    """
+    from gradsafe.pipelining import SplitBackwardError
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    block = torch.compile(lambda a: torch.tanh(lin(a)) * 2, backend="aot_eager", fullgraph=True)
+    w = nn.Parameter(torch.randn(4, 4))
+    w.main_grad = torch.zeros(4, 4)  # type: ignore[attr-defined]
+    params = [w, *lin.parameters()]
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(3, 4, requires_grad=True)
+        return x, _MainGradMatmul.apply(block(x), w).pow(2).sum()
+
+    x, loss = forward()
+    loss.backward()  # a fused warm-up step compiles the backward with donated buffers
+    for p in params:
+        p.grad = None
+    w.main_grad.zero_()  # type: ignore[attr-defined]
+    x, loss = forward()
+    with pytest.raises(SplitBackwardError, match="donated_buffer"):
+        stage_backward_input(loss, None, [x], params)
+    assert x.grad is None and all(p.grad is None for p in params)
+    assert w.main_grad.abs().sum() == 0, "the refused B already added dW to main_grad"  # type: ignore[attr-defined]

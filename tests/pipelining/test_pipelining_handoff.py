@@ -252,3 +252,49 @@ def test_feature_probe_works_in_any_context(context: Any) -> None:
 
     with context():
         assert missing_feature() is None
+
+
+def _activation_alive_after_backward(split: bool, hooks: str) -> bool:
+    import gc
+    import weakref
+
+    from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    a = torch.tanh(x * 2)
+    alive = weakref.ref(a)
+    context = save_on_cpu() if hooks == "save_on_cpu" else saved_tensors_hooks(lambda t: t, lambda t: t)
+    with context:
+        h = torch.tanh(a @ w)  # tanh saves its own output through the hooks
+    del a
+    loss = h.pow(2).sum()
+    del h
+    if split:
+        _, handoff = stage_backward_input(loss, None, [x], [w])
+        stage_backward_weight([w], handoff)
+        del handoff, _
+    else:
+        loss.backward()
+    del loss
+    gc.collect()
+    return alive() is not None
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="graph kept alive after W when hooks pack the tensor itself")
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "identity"])
+def test_no_graph_alive_after_w_with_offload_hooks(hooks: str) -> None:
+    """Severity: memory leak (the whole microbatch graph, every step).
+
+    ``save_on_cpu`` on a CPU tensor packs the tensor itself (``tensor.cpu()`` is a no-op), as
+    does any identity-style ``saved_tensors_hooks``. A node that saves its own output
+    (``tanh``) then holds, through its C++ ``SavedVariable``, the output tensor whose
+    ``grad_fn`` is that node: a cycle the Python collector cannot see. A fused backward breaks
+    it by freeing the saved tensors; B and W both run with ``retain_graph=True`` and W never
+    frees saved tensors, so after W the graph and every activation it saved stay alive for
+    good. (Non-reentrant checkpointing packs a holder, not the tensor: no cycle there.)
+    """
+    assert not _activation_alive_after_backward(split=False, hooks=hooks)
+    assert not _activation_alive_after_backward(split=True, hooks=hooks)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
 
 
 class Sandwich(nn.Module):
@@ -121,3 +125,598 @@ def test_megatron_style_main_grad_over_microbatches_with_tied_weight() -> None:
         torch.testing.assert_close(p.main_grad, want[name], atol=1e-9, rtol=1e-9)  # type: ignore[attr-defined]
     for handle in handles:
         handle.remove()
+
+
+def _setup() -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    return m, x, torch.randn(3, 4)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_weight_and_input_is_refused_before_anything_changes(mode: str) -> None:
+    """A fused backward fires it once; B + W would fire it in each pass (mode "any") or
+    crash in torch's internals (mode "all", as torch's own B does). Refused at B instead."""
+    m, x, g = _setup()
+    calls: list[int] = []
+    torch.autograd.graph.register_multi_grad_hook((m.weight, x), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
+    out = m(m(x))
+    with pytest.raises(SplitBackwardError, match="register_multi_grad_hook spans a stage input"):
+        stage_backward_input([out], [g], [x], m.parameters())
+    assert calls == [] and x.grad is None and m.weight.grad is None
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_parameters_only_fires_once(mode: str) -> None:
+    m, x, g = _setup()
+    calls: list[int] = []
+    torch.autograd.graph.register_multi_grad_hook((m.weight, m.bias), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
+    m(m(x)).backward(g)
+    fused = len(calls)
+    calls.clear()
+    _, handoff = stage_backward_input([m(m(x))], [g], [x], m.parameters())
+    assert calls == []
+    stage_backward_weight(m.parameters(), handoff)
+    assert len(calls) == fused == 1
+
+
+@pytest.mark.usefixtures("fp64")
+def test_node_post_hook_on_an_intermediate_is_refused_before_anything_changes() -> None:
+    """A post hook on an activation's grad_fn that rescales grad_inputs scales the weight
+    gradient in a fused backward; B cannot show it both halves at once, so B refuses it
+    (before, the weight gradient came out unscaled, silently)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    calls: list[int] = []
+
+    def scale(gi: tuple[torch.Tensor | None, ...], go: object) -> tuple[torch.Tensor | None, ...]:
+        calls.append(1)
+        return tuple(None if t is None else t * 3 for t in gi)
+
+    h = x @ w
+    assert h.grad_fn is not None
+    h.grad_fn.register_hook(scale)
+    out = torch.tanh(h) @ u
+    with pytest.raises(SplitBackwardError, match="post hook is registered on MmBackward0"):
+        stage_backward_input([out], [g], [x], [w, u])
+    assert calls == [] and x.grad is None and w.grad is None and u.grad is None
+    # Nothing of gradsafe's stays registered: a fused backward afterwards is plain.
+    out.backward(g)
+    assert len(calls) == 1
+
+
+@pytest.mark.usefixtures("fp64")
+def test_deprecated_module_backward_hook_is_refused() -> None:
+    """Module.register_backward_hook puts a post hook on the module output's node."""
+    m, x, g = _setup()
+    inner = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some torch versions warn that it is deprecated
+        inner.register_backward_hook(lambda mod, gi, go: None)
+    out = m(inner(x))
+    with pytest.raises(SplitBackwardError, match="register_full_backward_hook"):
+        stage_backward_input([out], [g], [x], [*m.parameters(), *inner.parameters()])
+
+
+@pytest.mark.usefixtures("fp64")
+def test_node_post_hook_on_a_weight_only_node_fires_once_with_the_full_gradient() -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    calls: list[int] = []
+
+    def forward() -> torch.Tensor:
+        wt = w.t()
+        assert wt.grad_fn is not None
+        wt.grad_fn.register_hook(
+            lambda gi, go: (calls.append(1), tuple(None if t is None else t * 3 for t in gi))[1]
+        )
+        return x @ wt
+
+    want = torch.autograd.grad(forward(), [w], g)[0]
+    assert len(calls) == 1
+    calls.clear()
+    _, handoff = stage_backward_input([forward()], [g], [x], [w])
+    assert calls == []
+    stage_backward_weight([w], handoff)
+    assert len(calls) == 1
+    torch.testing.assert_close(w.grad, want)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_tensor_hook_on_weight_only_nonleaf_is_applied() -> None:
+    """A gradient-scaling hook on a tensor computed from parameters alone (w * 2, w.t(), a
+    weight-norm'd / quantized weight) runs once in W, as in a fused backward (W used to
+    call weight-only nodes directly and skip it, silently)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+
+    def forward() -> torch.Tensor:
+        w2 = w * 2
+        w2.register_hook(lambda grad: grad * 3)
+        return x @ w2
+
+    want = torch.autograd.grad(forward(), [w], g)[0]
+    out = forward()
+    _, handoff = stage_backward_input([out], [g], [x], [w])
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(w.grad, want)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_module_backward_hooks_fire_on_a_stage_whose_inputs_need_no_grad() -> None:
+    """A stage whose inputs do not require grad (token ids / the first stage) is all
+    weight-only: W runs it through the engine, so a full backward pre-hook that rescales
+    grad_output fires as often as in a fused backward (it used to fire 0 times, silently)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    calls: list[str] = []
+
+    def pre(mod: nn.Module, grad_output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        calls.append("pre")
+        return (grad_output[0] * 3,)
+
+    lin.register_full_backward_pre_hook(pre)
+    x = torch.randn(3, 4)  # no grad: a first stage
+    g = torch.randn(3, 4)
+    want = torch.autograd.grad(lin(torch.tanh(lin(x))), [lin.weight, lin.bias], g)
+    fused_calls = len(calls)
+    calls.clear()
+    _, handoff = stage_backward_input([lin(torch.tanh(lin(x)))], [g], [x], lin.parameters())
+    stage_backward_weight(lin.parameters(), handoff)
+    assert len(calls) == fused_calls == 2
+    torch.testing.assert_close(lin.weight.grad, want[0])
+    torch.testing.assert_close(lin.bias.grad, want[1])
+
+
+Forward = Callable[[nn.Parameter, nn.Parameter, torch.Tensor, list[Any]], torch.Tensor]
+
+
+def _run(forward: Forward, split: bool) -> list[Any]:
+    """One microbatch through ``forward`` (fused or B then W); the parameters' and input's
+    grads, and what the hooks recorded."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    calls: list[Any] = []
+    out = forward(w, u, x, calls)
+    if split:
+        _, handoff = stage_backward_input([out], [g], [x], [w, u])
+        stage_backward_weight([w, u], handoff)
+    else:
+        out.backward(g)
+    return [x.grad, w.grad, u.grad, calls]
+
+
+def _assert_same(forward: Forward) -> None:
+    fused = _run(forward, split=False)
+    split = _run(forward, split=True)
+    assert len(split[3]) == len(fused[3]), f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    for f, s in zip(fused[:3], split[:3]):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+    for f, s in zip(fused[3], split[3]):
+        for ft, st in zip(f, s):
+            assert (ft is None) == (st is None), "a hook saw None where a fused backward gives a gradient"
+            if ft is not None:
+                torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
+
+
+def _record(calls: list[Any]) -> Callable[[Any], None]:
+    def hook(grads: Any) -> None:
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+        calls.append(tuple(None if t is None else t.detach().clone() for t in grads))
+
+    return hook
+
+
+@pytest.mark.usefixtures("fp64")
+def test_hook_on_weight_only_tensor_consumed_by_a_checkpointed_op_runs_once() -> None:
+    """Severity: SILENT WRONG GRADIENT (and wrong hook count).
+
+    ``wt = w * 2`` with a scaling tensor hook, used inside a non-reentrant checkpoint together
+    with the stage input. The checkpointed MmBackward is an intermediate B must capture
+    (``in_b``), so B passes ``GradientEdge(MulBackward0, 0)`` in ``autograd.grad(inputs=)``; the
+    engine runs a captured node's tensor pre-hooks, so the hook scales B's kept gradient. W's new
+    engine pass then roots at the same edge and MulBackward0's tensor hook runs again: w.grad is
+    3x too large, the hook fires twice. B silences only *leaf* targets' hooks. A W that calls MulBackward0 directly (no
+    hooks) is exact.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        wt = w * 2
+        wt.register_hook(lambda t: (calls.append((t.clone(),)), t * 3)[1])
+        return checkpoint(lambda a, b: torch.tanh(a @ b), x, wt, use_reentrant=False) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="register_multi_grad_hook(mode='any') over a stage input and a weight-only "
+    "non-leaf fires in B and again in W; not refused",
+)
+def test_multi_grad_hook_any_over_input_and_weight_only_nonleaf() -> None:
+    """Severity: WRONG HOOK COUNT (2 instead of 1), silently.
+
+    B refuses a multi-grad hook spanning a stage input and a *parameter*, but
+    ``_refuse_multi_grad_hooks_across`` compares only against ``weights``: the same hook over
+    the input and ``w * 2`` (weight-norm'd / cast / transposed weight) is accepted, fires in B
+    (input) and again in W's engine pass (``w * 2``). docs/pipelining.md names only the
+    parameter+activation case as unchecked.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        wt = w * 2
+        torch.autograd.graph.register_multi_grad_hook((x, wt), _record(calls), mode="any")
+        return torch.tanh(x @ wt) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_cleanly() -> None:
+    """Severity: CRASH with a MISLEADING ERROR (a fused backward works).
+
+    B's ``autograd.grad(inputs=...)`` runs the hook's ``_will_engine_execute_node`` on the
+    weight-only side and torch raises "A leaf node was passed to _will_engine_execute_node but
+    we are currently running autograd.grad()". Promise: such hooks are refused with
+    SplitBackwardError before anything runs (as for input + parameter), or honoured.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    wt = w * 2
+    calls: list[Any] = []
+    torch.autograd.graph.register_multi_grad_hook((x, wt), _record(calls), mode="all")
+    out = torch.tanh(x @ wt) @ u
+    with pytest.raises(SplitBackwardError):
+        stage_backward_input([out], [torch.randn(3, 4)], [x], [w, u])
+    assert calls == [] and x.grad is None
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="register_multi_grad_hook(mode='all') over a parameter and an activation "
+    "fires twice, each time with half the gradients (docs mention only mode 'any')",
+)
+def test_multi_grad_hook_all_over_parameter_and_activation() -> None:
+    """Severity: WRONG HOOK COUNT and WRONG HOOK ARGUMENTS, silently.
+
+    Fused: once, with (grad_u, grad_h). Split: once in B with (None, grad_h) and once in W's
+    delivery with (grad_u, None). A hook that, e.g., clips by the joint norm of its arguments
+    computes a different result. docs/pipelining.md only says mode "any" fires twice here.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        h = torch.tanh(x @ w)
+        torch.autograd.graph.register_multi_grad_hook((u, h), _record(calls), mode="all")
+        return h @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="register_multi_grad_hook(mode='any') over a parameter and a weight-only "
+    "non-leaf fires twice (W's engine pass, then W's delivery)",
+)
+def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
+    """Severity: WRONG HOOK COUNT (2 instead of 1), silently.
+
+    Both tensors are on the weight side, but W uses two engine calls: the hook on ``w * 2``
+    fires in the weight-only pass, the one on ``w`` (silenced there) in the delivery. The
+    docs' hook table promises hooks on tensors computed from parameters alone and
+    multi-grad hooks over parameters each fire once.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        wt = w * 2
+        torch.autograd.graph.register_multi_grad_hook((w, wt), _record(calls), mode="any")
+        return torch.tanh(x @ wt) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="register_multi_grad_hook(mode='all') over a parameter and a weight-only "
+    "non-leaf: B accepts it, W then fails (SplitBackwardError) -- a fused backward works",
+)
+def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
+    """Severity: CRASH (late: B accepted the microbatch, W fails it and the hand-off is FAILED).
+
+    In W's weight-only pass the hook asks ``_will_engine_execute_node`` about the captured leaf
+    and torch raises; W wraps it as "the weight pass failed ... a hook ... may have raised it".
+    Fused: fires once with both gradients. Either honour it or refuse it in B.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        wt = w * 2
+        torch.autograd.graph.register_multi_grad_hook((w, wt), _record(calls), mode="all")
+        return torch.tanh(x @ wt) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a hook registered on a parameter by a weight-only tensor's hook runs in "
+    "W's capture (hooks dict emptied, new hook lands in it) and again in the delivery",
+)
+def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
+    """Severity: SILENT WRONG GRADIENT (the new hook's scale applied twice) and wrong hook count.
+
+    ``silenced_tensor_hooks`` clears ``w._backward_hooks`` during W's engine pass; the hook on
+    ``w * 2`` runs there and registers a hook on ``w``, which lands in the emptied dict (or a
+    new one, with its C++ pre-hook) and so runs on the capture; the dict is then restored with
+    the new hook still in it and the delivery runs it again. Fused: once.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        wt = w * 2
+
+        def register(t: torch.Tensor) -> None:
+            w.register_hook(lambda gw: (calls.append((gw.clone(),)), gw * 3)[1])
+
+        wt.register_hook(register)
+        return torch.tanh(x @ wt) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a node post hook put on an intermediate while B runs (by a tensor hook) "
+    "escapes B's refusal and sees no weight half",
+)
+def test_post_hook_registered_on_an_intermediate_during_b() -> None:
+    """Severity: SILENT WRONG GRADIENT (low likelihood).
+
+    B checks intermediates for user post hooks before its engine call. A tensor hook on the
+    stage output that registers a grad_inputs-scaling post hook on ``(x @ w).grad_fn`` runs
+    inside B's engine call; the post hook then fires in B with None for w's edge, so w.grad
+    is unscaled while a fused backward scales it. Expected: refused, or honoured.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        pre = x @ w
+        out = torch.tanh(pre) @ u
+
+        def register(t: torch.Tensor) -> None:
+            assert pre.grad_fn is not None
+            pre.grad_fn.register_hook(
+                lambda gi, go: (calls.append(()), tuple(None if a is None else a * 3 for a in gi))[1]
+            )
+
+        out.register_hook(register)
+        return out
+
+    _assert_same(forward)
+
+
+class _UserError(Exception):
+    pass
+
+
+@pytest.mark.usefixtures("fp64")
+def test_weight_only_hook_exception_keeps_its_type() -> None:
+    """Severity: MISLEADING ERROR (low). The transactional part holds: the hand-off is FAILED,
+    no parameter .grad changes, a retry is refused (asserted below, passing). But a fused
+    backward raises the hook's exception as is, and docs/pipelining.md ("A user hook's own
+    exception (any type) can only come from the delivery step and propagates unchanged") still
+    says so; ``except _UserError`` around the schedule misses it under the patch, and the message
+    suggests freed saved tensors as an alternative cause.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    w.grad = torch.ones(4, 4)
+    wt = w * 2
+
+    def bad(t: torch.Tensor) -> None:
+        raise _UserError("from a user hook")
+
+    wt.register_hook(bad)
+    _, handoff = stage_backward_input([torch.tanh(x @ wt)], [torch.randn(3, 4)], [x], [w])
+    with pytest.raises(Exception) as info:
+        stage_backward_weight([w], handoff)
+    assert handoff.state.name == "FAILED"
+    assert torch.equal(w.grad, torch.ones(4, 4))
+    with pytest.raises(SplitBackwardError):
+        stage_backward_weight([w], handoff)
+    assert isinstance(info.value, _UserError), type(info.value).__name__
+
+
+@pytest.mark.usefixtures("fp64")
+def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
+    """Severity: CRASH (false refusal) with a MISLEADING ERROR.
+
+    ``loss = checkpoint(block)(x).pow(2).sum() + 1e-2 * (w ** 2).sum()``: the checkpointed
+    MmBackward's weight edge goes straight to w's AccumulateGrad (a B capture target) and the
+    non-checkpointed PowBackward0 also sends there, so ``_weight_parts_in_b`` raises for *every*
+    weight-only node feeding a target, calling it "a checkpointed PowBackward0". The same for
+    ``nn.Linear`` inside the checkpoint (bias edge) and for a tied head ``h @ w.t()``.
+    docs/pipelining.md limits the refusal to a *checkpointed* weight-only op. A fused backward
+    works; weight decay in the loss with activation checkpointing is common.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        out = checkpoint(lambda a, b: torch.tanh(a @ b), x, w, use_reentrant=False)
+        return out.pow(2).sum() + 1e-2 * (w**2).sum()
+
+    want = torch.autograd.grad(forward(), [x, w])
+    _, handoff = stage_backward_input(forward(), None, [x], [w])
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(x.grad, want[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(w.grad, want[1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="B's input gradient (and x.grad) is the very tensor W later hands to a "
+    "weight-only hook; a hook mutating its argument in place changes dx after B returned it",
+)
+def test_input_gradient_returned_by_b_is_not_changed_by_w() -> None:
+    """Severity: SILENT WRONG INPUT GRADIENT, low (needs a hook that mutates its argument in
+    place, which torch's docs discourage; a fused backward gives x.grad unchanged here because
+    AccumulateGrad clones a shared gradient). ``out = x + w * 2``: AddBackward passes the same
+    tensor to both edges, B returns it as dx (and as x.grad, no copy), W calls AddBackward on the
+    recorded gradient and roots its engine pass at it, so ``wt``'s hook ``t.mul_(3)`` triples
+    the dx the schedule may not have sent yet.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    wt = w * 2
+    wt.register_hook(lambda t: (t.mul_(3), None)[1])
+    (dx,), handoff = stage_backward_input([x + wt], [g.clone()], [x], [w])
+    assert dx is not None
+    before = dx.clone()
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(dx, before, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
+    """Severity: SILENT WRONG GRADIENT and wrong hook count. Same mechanism as the checkpointed case, but the
+    trigger is activation offloading (``save_on_cpu``, torchtune-style offloading, any
+    ``saved_tensors_hooks``): ``has_hooked_saved`` is true for every built-in intermediate, so
+    all go to ``in_b``, B captures at ``(MulBackward0, 0)`` running ``wt``'s tensor hook, and
+    W's engine pass runs it again. A weight-norm'd / fake-quantized weight with a gradient hook
+    in an offloaded stage gets a wrong gradient.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            wt = w * 2
+            wt.register_hook(lambda t: (calls.append((t.clone(),)), t * 3)[1])
+            return torch.tanh(x @ wt) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_tied_weight_under_save_on_cpu() -> None:
+    """Severity: CRASH (false refusal) with a MISLEADING ERROR. The L2-term refusal, reached
+    without checkpointing: with activation offloading every intermediate is "checkpointed" to
+    gradsafe, so any weight-only op sending into a parameter another op uses directly (tied
+    embedding/head, ``w.t()``, an L2 term) is refused, and the message tells the user about
+    checkpointed regions they do not have. A fused backward works.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return torch.tanh(x @ w) @ w.t() @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a callback queued (queue_callback) by a hook that runs in W's engine "
+    "pass runs when that pass ends, before W delivers any parameter gradient",
+)
+def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() -> None:
+    """Severity: WRONG STATE seen by end-of-backward callbacks, silently.
+
+    ``Variable._execution_engine.queue_callback`` runs a callback when the current backward
+    ends -- what reducers and FSDP1-style "post-backward final callbacks" use to act on the
+    finished ``.grad``. A module full backward pre-hook on a first stage (inputs need no grad,
+    so it is all weight-only and runs in W's engine pass) queues one; it runs at
+    the end of W's weight-only ``autograd.grad``, where no parameter has its gradient yet
+    (delivery is a second engine call). Fused: it sees ``lin.weight.grad``.
+    """
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    seen: list[torch.Tensor | None] = []
+
+    def pre(mod: nn.Module, grad_output: Any) -> None:
+        Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            lambda: seen.append(None if lin.weight.grad is None else lin.weight.grad.clone())
+        )
+
+    lin.register_full_backward_pre_hook(pre)
+    g = torch.randn(3, 4)
+    _, handoff = stage_backward_input([torch.tanh(lin(x))], [g], [x], list(lin.parameters()))
+    stage_backward_weight(list(lin.parameters()), handoff)
+    assert len(seen) == 1
+    assert seen[0] is not None, "the callback ran before W delivered the parameter gradients"
+    torch.testing.assert_close(seen[0], lin.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("where", ["weight-only hook in W", "activation hook in checkpointed B"])
+def test_parameter_hook_removed_by_another_hook_stays_removed(where: str) -> None:
+    """Severity: SILENT WRONG GRADIENT and a leaked hook. ``silenced_tensor_hooks`` saves the
+    leaf's hook items, clears the dict and ``update``s it back afterwards; a ``remove()`` done
+    in between (a one-shot hook, a hook that unregisters another) is undone. Fused: the removed
+    hook never fires. W's engine pass runs weight-only hooks inside that window; B
+    does too for activation hooks when it captures at a checkpointed op's weight edge.
+    """
+
+    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+        handle = w.register_hook(lambda t: (calls.append((t.clone(),)), t * 5)[1])
+        if where == "weight-only hook in W":
+            wt = w * 2
+            wt.register_hook(lambda t: handle.remove())
+            return torch.tanh(x @ wt) @ u
+        out = checkpoint(lambda a, b: torch.tanh(a @ b), x, w, use_reentrant=False) @ u
+        out.register_hook(lambda t: handle.remove())
+        return out
+
+    _assert_same(forward)
+
+
+@pytest.mark.usefixtures("fp64")
+def test_retain_grad_on_weight_only_tensor_under_save_on_cpu() -> None:
+    """Severity: SILENT WRONG (retained) GRADIENT, no user hook needed. Same mechanism as the hooked
+    weight-only tensors above: the retains-grad hook is a tensor pre-hook of ``MulBackward0``, run by B's capture at
+    ``(MulBackward0, 0)`` and by W's engine pass. Parameters' gradients stay right (found by a
+    400-program differential fuzz under ``save_on_cpu``).
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autograd.graph.save_on_cpu():
+            wt = w * 2
+            wt.retain_grad()
+            return torch.tanh(x @ wt), wt
+
+    out, wt = forward()
+    out.backward(g)
+    want = wt.grad
+    out, wt = forward()
+    _, handoff = stage_backward_input([out], [g], [x], [w])
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(wt.grad, want, rtol=0, atol=1e-12)
