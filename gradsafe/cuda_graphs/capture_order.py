@@ -459,6 +459,9 @@ def _parse_te_value(position: int, value: float) -> tuple[EntryKind, int]:
 
 
 def _validate(order: CaptureOrder) -> None:
+    # Over 60 lines on purpose: one pass over the entries with one branch per
+    # entry kind, each naming the rule it breaks; the branches share the
+    # positions recorded so far.
     forward_at: dict[tuple[int, int], int] = {}
     dgrad_at: dict[tuple[int, int], int] = {}
     wgrad_at: dict[tuple[int, int], int] = {}

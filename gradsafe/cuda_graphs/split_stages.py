@@ -405,6 +405,35 @@ def make_graphed_split_callables(
             hooks present at capture time.
     """
     modules = list(callables)
+    _check_arguments(modules, sample_args, order)
+    flat_samples = [_check_inputs(c, m, a) for c, (m, a) in enumerate(zip(modules, sample_args))]
+    params = [tuple(m.parameters()) for m in modules]
+
+    def static_copy(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    slots: dict[tuple[int, int], _Slot] = {}
+    for c in order.chunks:
+        for m in order.microbatches(c):
+            slots[(c, m)] = _Slot(c, m, tuple(static_copy(t) for t in flat_samples[c]))
+    anchors = [
+        torch.zeros((), device=(flat_samples[c] or params[c])[0].device, requires_grad=any(p.requires_grad for p in params[c]))
+        for c in order.chunks
+    ]
+    _warm_up(modules, params, slots, order, num_warmup_iters)
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    training = [m.training for m in modules]
+    _capture(modules, params, slots, order, pool)
+
+    stages = GraphedSplitStages(order, modules, params, slots, anchors)
+    for c, module in enumerate(modules):
+        module.forward = _graphed_forward(stages, c, module, training[c], module.forward)  # type: ignore[method-assign]
+    return stages
+
+
+def _check_arguments(modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple[Any, ...]], order: CaptureOrder) -> None:
+    """Refuse an order or samples that do not match the callables (before anything runs)."""
     if len(sample_args) != len(modules):
         raise ValueError(
             f"make_graphed_split_callables: {len(modules)} callables but {len(sample_args)} sample_args"
@@ -425,22 +454,16 @@ def make_graphed_split_callables(
         raise RuntimeError(
             "make_graphed_split_callables does not support autocast caching; set cache_enabled=False"
         )
-    flat_samples = [_check_inputs(c, m, a) for c, (m, a) in enumerate(zip(modules, sample_args))]
-    params = [tuple(m.parameters()) for m in modules]
 
-    def static_copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone().requires_grad_(t.requires_grad)
 
-    slots: dict[tuple[int, int], _Slot] = {}
-    for c in order.chunks:
-        for m in order.microbatches(c):
-            slots[(c, m)] = _Slot(c, m, tuple(static_copy(t) for t in flat_samples[c]))
-    anchors = [
-        torch.zeros((), device=(flat_samples[c] or params[c])[0].device, requires_grad=any(p.requires_grad for p in params[c]))
-        for c in order.chunks
-    ]
-
-    # Warm-up: the same forward, B and W as the graphs, eagerly, on a side stream.
+def _warm_up(
+    modules: Sequence[torch.nn.Module],
+    params: Sequence[tuple[torch.Tensor, ...]],
+    slots: dict[tuple[int, int], _Slot],
+    order: CaptureOrder,
+    num_warmup_iters: int,
+) -> None:
+    """The same forward, B and W as the graphs, eagerly, on a side stream."""
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         for c in order.chunks:
@@ -459,9 +482,15 @@ def make_graphed_split_callables(
                 del outputs, trial, handoff
     torch.cuda.synchronize()
 
-    if pool is None:
-        pool = torch.cuda.graph_pool_handle()
-    training = [m.training for m in modules]
+
+def _capture(
+    modules: Sequence[torch.nn.Module],
+    params: Sequence[tuple[torch.Tensor, ...]],
+    slots: dict[tuple[int, int], _Slot],
+    order: CaptureOrder,
+    pool: Any,
+) -> None:
+    """Capture every entry of ``order`` in its order, into the slots, sharing ``pool``."""
     for entry in order.entries:
         slot = slots[(entry.chunk, entry.microbatch)]
         ps = params[entry.chunk]
@@ -491,11 +520,6 @@ def make_graphed_split_callables(
             # W: let later captures in the pool reuse its memory, as the replay
             # order allows.
             slot.static_outputs = tuple(o.detach() for o in slot.static_outputs)
-
-    stages = GraphedSplitStages(order, modules, params, slots, anchors)
-    for c, module in enumerate(modules):
-        module.forward = _graphed_forward(stages, c, module, training[c], module.forward)  # type: ignore[method-assign]
-    return stages
 
 
 def _graphed_forward(

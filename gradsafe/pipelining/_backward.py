@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -42,6 +42,14 @@ __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 
 _B_DONE = object()  # key in Node.metadata: B already ran from this node
+
+
+class _WRecords(TypedDict):
+    """The hand-off's records of what W starts from (keyword arguments of :class:`WeightGradHandoff`)."""
+
+    recorded: list[Recorded]
+    kept: list[Kept]
+    output_roots: list[OutputRoot]
 
 
 def _record(
@@ -141,23 +149,8 @@ def _stage_backward_input(
 
     w_nodes = [n for n in graph.weight_nodes if n not in in_k]
     keep, later = _detach_outputs(roots, graph, w_nodes, input_values)
-    recorded = [
-        Recorded(
-            item.node,
-            captured[item.node],
-            tuple(WeightEdge(e.output_index, e.node, e.input_nr) for e in item.weight_edges),
-        )
-        for item in graph.intermediates
-        if item not in in_b and any(g is not None for g in captured.get(item.node, ()))
-    ]
     handoff = WeightGradHandoff(
-        recorded=recorded,
-        kept=[Kept(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None],
-        output_roots=[
-            OutputRoot(roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
-            for i in graph.weight_only_outputs
-            if i not in k_outputs
-        ],
+        **_records_for_w(graph, roots, captured, in_b, k_leaves, at_leaves, k_outputs),
         weight_nodes=w_nodes,
         leaf_nodes=list(graph.leaves),
         leaves=list(graph.leaves.values()),
@@ -168,6 +161,35 @@ def _stage_backward_input(
         group=group,
     )
     return tuple(dinputs), handoff
+
+
+def _records_for_w(
+    graph: StageGraph,
+    roots: Sequence[Root],
+    captured: dict[Node, tuple[torch.Tensor | None, ...]],
+    in_b: set[Intermediate],
+    k_leaves: Sequence[Node],
+    at_leaves: Sequence[torch.Tensor | None],
+    k_outputs: set[int],
+) -> _WRecords:
+    """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
+    return _WRecords(
+        recorded=[
+            Recorded(
+                item.node,
+                captured[item.node],
+                tuple(WeightEdge(e.output_index, e.node, e.input_nr) for e in item.weight_edges),
+            )
+            for item in graph.intermediates
+            if item not in in_b and any(g is not None for g in captured.get(item.node, ()))
+        ],
+        kept=[Kept(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None],
+        output_roots=[
+            OutputRoot(roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
+            for i in graph.weight_only_outputs
+            if i not in k_outputs
+        ],
+    )
 
 
 def _run_b(

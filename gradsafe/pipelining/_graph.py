@@ -85,6 +85,9 @@ def analyze(outputs: Sequence[GradientEdge], input_nodes: Collection[Node]) -> S
 
 
 def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
+    # Over 60 lines on purpose: one iterative post-order walk that classifies
+    # each node as it finishes; split up, the walk's state would be passed
+    # between functions on every node of every B.
     flags: dict[Node, int] = {}  # set when a node is finished: children first
     leaves: dict[Node, torch.Tensor] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}

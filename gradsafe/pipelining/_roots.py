@@ -58,6 +58,8 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
     A None gradient for a tuple/list/dict means no gradient flows there (as in
     torch's ``stage_backward``), unless ``implied`` (a loss: output_grads=None).
     """
+    # Over 60 lines on purpose: one branch per kind of output, so the whole
+    # pairing rule (and every refusal it makes) reads in one place.
     if isinstance(output, torch.Tensor):
         if grad is not None and not isinstance(grad, torch.Tensor):
             raise SplitBackwardError(
