@@ -1,4 +1,4 @@
-"""One test session per supported torch release, plus a type check (CI runs them all).
+"""One test session per supported torch release and Python version, plus lint and a type check (CI runs them all).
 
 Each session runs the README's two set-up commands with that torch pinned:
 ``pip install torch==X . && gradsafe doctor`` (must exit 0), then
@@ -32,6 +32,12 @@ nox.options.reuse_existing_virtualenvs = False
 # and its copy_ redistributes Partial(max), so the H2 fix cannot be installed
 # there without changing values (docs/dtensor.md).
 TORCH_VERSIONS = ["2.13.0", "2.15.0", "2.11.0", "2.14.1"]
+# The Pythons pyproject.toml declares besides 3.11 (where every torch above
+# runs): each gets the newest torch, the README's two set-up commands and the
+# suite without the gloo-rank tests, which exercise torch's C++ collectives,
+# not the interpreter, and run in the sessions above.
+OTHER_PYTHONS = ["3.10", "3.12", "3.13"]
+NEWEST_TORCH = "2.15.0"
 
 WHEELHOUSE = Path(
     os.environ.get("GRADSAFE_WHEELHOUSE", Path.home() / ".cache" / "gradsafe-ci" / "wheels")
@@ -46,7 +52,7 @@ def _install_torch(session: nox.Session, torch: str) -> None:
     session.install("--no-index", "--find-links", str(wheels), f"torch=={torch}")
 
 
-@nox.session
+@nox.session(python="3.11")
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
     _install_torch(session, torch)
@@ -62,7 +68,25 @@ def tests(session: nox.Session, torch: str) -> None:
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
-@nox.session
+@nox.session(python=OTHER_PYTHONS)
+def python(session: nox.Session) -> None:
+    _install_torch(session, NEWEST_TORCH)
+    session.install(f"torch=={NEWEST_TORCH}", ".")
+    session.run("gradsafe", "doctor")
+    session.install(f"torch=={NEWEST_TORCH}", ".[test]")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "not distributed", *session.posargs)
+    shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+@nox.session(python="3.11")
 def typing(session: nox.Session) -> None:
     session.install("torch==2.13.0", ".", "mypy")
     session.run("mypy", "--ignore-missing-imports", "-p", "gradsafe")
