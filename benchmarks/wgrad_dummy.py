@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from gradsafe.testing import MegatronStyleDDP
+from gradsafe.testing import MegatronStyleDDP, module_of
 from gradsafe.wgrad import dummy_wgrad, wgrad_return
 from gradsafe.wgrad._hazards import ReturnPolicy, repro_linear, te_policy
 
@@ -100,7 +100,7 @@ def per_call_us(make: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor) -
 def main() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(N_OUT, N_IN))
-    ddp = MegatronStyleDDP([w], snapshots=False)
+    ddp = MegatronStyleDDP(module_of([w]), snapshots=False)
     x = torch.randn(TOKENS, N_IN)
     for fused, policy in VARIANTS.values():
         for _ in range(3):

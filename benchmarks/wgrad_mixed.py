@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from gradsafe.testing import MegatronStyleDDP
+from gradsafe.testing import MegatronStyleDDP, module_of
 from gradsafe.wgrad import wgrad_return
 from gradsafe.wgrad._hazards import ReturnPolicy, repro_linear, unwatched_policy
 
@@ -55,7 +55,7 @@ def main() -> None:
     # One weight per variant: gradsafe's flag watcher, once registered on a
     # weight, would also correct the "before" policy on it.
     weights = {name: torch.nn.Parameter(init.clone()) for name in VARIANTS}
-    ddps = [MegatronStyleDDP([w], snapshots=False) for w in weights.values()]
+    ddps = [MegatronStyleDDP(module_of([w]), snapshots=False) for w in weights.values()]
     ids = torch.randint(0, VOCAB, (TOKENS,))
     h = torch.randn(TOKENS, HIDDEN)
     for name, variant in VARIANTS.items():

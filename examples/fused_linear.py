@@ -5,7 +5,10 @@ Its backward computes the input gradient and then, for the weight, one of:
 * returns the weight gradient (plain),
 * adds it straight into ``weight.main_grad`` (``accumulate_into_main_grad``),
 * records a closure in a :class:`gradsafe.wgrad.WeightGradStore` for the W
-  pass (``wgrad_store``), fused into ``main_grad`` or not,
+  pass (``wgrad_store``), fused into ``main_grad`` or not; the module then
+  marks its weight ``skip_backward_post_hook`` and offers
+  ``register_wgrad_accumulation_and_reduce_hooks``, which is what Megatron-core's
+  ``DistributedDataParallel`` with ``delay_wgrad_compute=True`` needs,
 
 and fills the weight slot with :func:`gradsafe.wgrad.wgrad_return`. A real
 kernel library replaces the matmuls with its GEMMs and keeps the rest.
@@ -18,12 +21,13 @@ against ``torch.nn.Linear`` and prints the largest difference.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gradsafe.testing import MegatronStyleDDP
-from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad, wgrad_return
+from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad, register_megatron_hook, wgrad_return
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,18 @@ class FusedLinear(torch.nn.Module):
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.wgrad_store = wgrad_store
         if wgrad_store is not None:
-            # Before any data-parallel wrapper decides which parameters to hook.
+            # Before any data-parallel wrapper decides which parameters to hook:
+            # sets skip_backward_post_hook, which Megatron-core's DDP reads.
             mark_delayed_wgrad(self.weight)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
+        """Where Megatron-core's DDP (``delay_wgrad_compute=True``) hands its hook for the delayed weight.
+
+        It then fires after each W pass that computes the weight's gradient.
+        """
+        if self.wgrad_store is None:  # DDP only calls this for a delayed (marked) weight
+            raise RuntimeError("FusedLinear without wgrad_store has no delayed weight to hook")
+        register_megatron_hook(self.wgrad_store, self.weight, hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_linear(
@@ -143,8 +157,9 @@ def largest_error(*, fused: bool, delayed: bool, microbatches: int = 4) -> float
     lin = FusedLinear(8, 8, accumulate_into_main_grad=fused, wgrad_store=store, dtype=torch.float64)
     ref = torch.nn.Linear(8, 8, bias=False, dtype=torch.float64)
     ref.weight.data.copy_(lin.weight.data)
-    # main_grad and Megatron's hook on both (kept alive by these names).
-    ddps = (MegatronStyleDDP([lin.weight], store), MegatronStyleDDP([ref.weight]))
+    # main_grad and Megatron's hooks on both (kept alive by these names); the
+    # delayed weight's hook comes through lin.register_wgrad_accumulation_and_reduce_hooks.
+    ddps = (MegatronStyleDDP(lin, delay_wgrad_compute=delayed), MegatronStyleDDP(ref))
     for _ in range(microbatches):
         x = torch.randn(4, 8, dtype=torch.float64)
         lin(torch.tanh(lin(x))).pow(2).sum().backward()  # B (the weight is used twice)

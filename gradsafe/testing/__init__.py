@@ -5,9 +5,10 @@
   static-memory semantics and the strictness of real CUDA graphs, so graphed
   training loops can be tested in CPU CI.
 * :class:`MegatronStyleDDP` registers Megatron-core's per-parameter
-  gradient-ready hooks (``main_grad`` accumulation, ``grad_added_to_main_grad``,
-  ``.grad`` cleared, ready counts) on a model, so a custom kernel's
-  weight-gradient return can be tested against them without Megatron.
+  gradient hooks (``main_grad`` accumulation, ``grad_added_to_main_grad``,
+  ``.grad`` cleared, delayed parameters routed through their module) on a
+  model, so a custom kernel's weight-gradient return can be tested against
+  them without Megatron.
 """
 
 from gradsafe.testing._cuda_emulation import (
@@ -16,14 +17,14 @@ from gradsafe.testing._cuda_emulation import (
     EmulatedStream,
     emulate_cuda_graphs,
 )
-from gradsafe.testing.megatron import GradReadyRegistry, HookCall, MegatronStyleDDP
+from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 
 __all__ = [
     "EmulatedCUDAGraph",
     "EmulatedEvent",
     "EmulatedStream",
-    "GradReadyRegistry",
     "HookCall",
     "MegatronStyleDDP",
     "emulate_cuda_graphs",
+    "module_of",
 ]

@@ -1,44 +1,46 @@
-"""Megatron-core-style gradient delivery, for testing weight-gradient kernels without Megatron.
+"""Megatron-core's gradient delivery without Megatron, for testing weight-gradient kernels.
 
-:class:`MegatronStyleDDP` gives parameters what Megatron-core's data
-parallelism gives them, minus the communication: an fp32-or-wider
-``param.main_grad``, the ``grad_added_to_main_grad`` flag, and one hook per
-parameter that adds ``.grad`` into ``main_grad`` unless the flag is set, then
-clears ``.grad``. Undelayed parameters get it as a post-hook on their
-AccumulateGrad node (``p.expand_as(p).grad_fn.next_functions[0][0]``, as
-Megatron registers it); parameters marked as delayed
-(:func:`gradsafe.wgrad.markers.grad_lifetime_is_managed`, which includes
-TransformerEngine's ``skip_backward_post_hook``) get it through the store's
-grad-ready hooks instead, as Megatron does for ``skip_backward_post_hook``.
+:class:`MegatronStyleDDP` gives a module's parameters what Megatron-core's
+``DistributedDataParallel`` (0.19.2, read and run side by side in
+``tests/wgrad/test_megatron_real.py``) gives them, minus the communication:
+
+* ``param.main_grad``: fp32 with ``grad_reduce_in_fp32``, else the
+  parameter's dtype; ``grad_added_to_main_grad = False`` on every parameter;
+* one hook per parameter: under ``overlap_grad_reduce`` it raises
+  ``AssertionError`` if ``.grad`` is None; it adds ``.grad`` into
+  ``main_grad`` unless ``grad_added_to_main_grad`` is set (or
+  ``zero_out_wgrad`` is set, which makes it add regardless), then clears
+  ``.grad``;
+* the hook's route: for a parameter with ``skip_backward_post_hook`` under
+  ``delay_wgrad_compute``, ``register_wgrad_accumulation_and_reduce_hooks(hook)``
+  of every module that holds it (none: no hook at all); otherwise a post-hook
+  on its AccumulateGrad node (``p.expand_as(p).grad_fn.next_functions[0][0]``);
+* :meth:`~MegatronStyleDDP.zero_grad_buffer` zeroes ``main_grad`` and resets
+  the flag, and leaves ``.grad`` as it is.
+
+Where it differs from Megatron: no buckets, no reduction, no ``no_sync`` and
+no grad-ready counting (``overlap_grad_reduce`` only adds the assert); hooks
+also run during CUDA-graph capture (Megatron's return at once); it does not
+wrap ``forward``; ``grad_added_flag=False`` (no flag) is not a Megatron mode.
 
 Every hook call is recorded (:class:`HookCall`), so a test can check what
 Megatron would only notice later: the final ``main_grad`` against plain
 autograd, the number of hook calls (one per parameter per microbatch), that no
 hook ran before its gradient was complete (``main_grad`` after each call), the
-thread it ran on, and whether ``.grad`` was None (Megatron asserts it is not
-when it overlaps the reduction).
+thread it ran on, and whether ``.grad`` was None.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
 import torch
 
-from gradsafe.wgrad.markers import grad_lifetime_is_managed
+from gradsafe.wgrad.megatron import GradReadyRegistry, register_megatron_hook
 
-__all__ = ["GradReadyRegistry", "HookCall", "MegatronStyleDDP"]
-
-
-class GradReadyRegistry(Protocol):
-    """Where delayed parameters' grad-ready hooks are registered (a :class:`gradsafe.wgrad.WeightGradStore`)."""
-
-    def register_grad_ready_hook(
-        self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]
-    ) -> object: ...
+__all__ = ["HookCall", "MegatronStyleDDP", "module_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +61,47 @@ def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
     return node
 
 
+class _Holder(torch.nn.Module):
+    """One parameter; offers Megatron's delayed-hook method when a store computes it."""
+
+    def __init__(self, param: torch.nn.Parameter, store: GradReadyRegistry | None) -> None:
+        super().__init__()
+        self.param = param
+        self._store = store
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
+        if self._store is None:
+            raise RuntimeError(
+                "module_of(params): a parameter is marked delayed (skip_backward_post_hook) but no "
+                "store was given to deliver its hook: pass store="
+            )
+        register_megatron_hook(self._store, self.param, hook)
+
+
+def module_of(
+    params: Iterable[torch.nn.Parameter], store: GradReadyRegistry | None = None
+) -> torch.nn.Module:
+    """A module holding ``params``, each in a child that routes Megatron's delayed hook to ``store``.
+
+    For tests written over bare parameters: ``MegatronStyleDDP(module_of(params,
+    store), delay_wgrad_compute=True)`` hooks the delayed ones (marked with
+    :func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`) through ``store``, as
+    Megatron-core does for a module that offers
+    ``register_wgrad_accumulation_and_reduce_hooks``.
+    """
+    return torch.nn.ModuleList(_Holder(p, store) for p in params)
+
+
 class MegatronStyleDDP:
-    """Megatron-style ``main_grad`` buffers and gradient hooks over ``params`` (no communication).
+    """Megatron-core's ``main_grad`` buffers and gradient hooks over ``module`` (no communication).
 
     Args:
-        params: the parameters to manage. Mark delayed ones
-            (:func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`) before this,
-            as a real wrapper decides at construction which node to hook.
-        store: where delayed parameters' hooks go; required if any is marked.
+        module: the model; every parameter that requires grad is managed.
+        overlap_grad_reduce, grad_reduce_in_fp32, delay_wgrad_compute: as in
+            Megatron-core's ``DistributedDataParallelConfig`` (same defaults).
         grad_added_flag: give every parameter ``grad_added_to_main_grad``
             (Megatron does). With False, only parameters that already have it
-            keep it (other wrappers' behaviour).
+            keep it (other wrappers' behaviour; not Megatron's).
         snapshots: copy ``main_grad`` at each hook call into
             :attr:`HookCall.main_grad_after`; turn off to time a kernel under
             the hook without that copy.
@@ -77,44 +109,53 @@ class MegatronStyleDDP:
 
     def __init__(
         self,
-        params: Sequence[torch.Tensor],
-        store: GradReadyRegistry | None = None,
+        module: torch.nn.Module,
         *,
+        overlap_grad_reduce: bool = False,
+        grad_reduce_in_fp32: bool = False,
+        delay_wgrad_compute: bool = False,
         grad_added_flag: bool = True,
         snapshots: bool = True,
     ) -> None:
-        self.params = tuple(params)
+        self.module = module
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self._overlap = overlap_grad_reduce
         self._snapshots = snapshots
         self._calls: dict[int, list[HookCall]] = {id(p): [] for p in self.params}
-        self._handles: list[object] = []
         # A parameter holds its AccumulateGrad node only weakly: keep the nodes
         # (and their hooks) alive, as Megatron does.
-        self._grad_accs: list[object] = []
+        self._grad_accs: list[torch.autograd.graph.Node] = []
+        self._handles: list[object] = []
         for p in self.params:
-            # fp32 for low-precision parameters, as Megatron; fp64 stays fp64.
-            p.main_grad = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))  # type: ignore[attr-defined]
+            dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
+            p.main_grad = torch.zeros_like(p, dtype=dtype)  # type: ignore[attr-defined]
             if grad_added_flag:
                 p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-            hook = self._hook_for(p)
-            if grad_lifetime_is_managed(p):
-                if store is None:
-                    raise ValueError(
-                        "MegatronStyleDDP: a parameter is marked as delayed (its gradient arrives at W), "
-                        "so its hook goes to the store's grad-ready hooks: pass store="
-                    )
-                self._handles.append(store.register_grad_ready_hook(p, hook))
+        for p in self.params:
+            if delay_wgrad_compute and getattr(p, "skip_backward_post_hook", False):
+                # Megatron's routing: every module that holds p and offers the
+                # method gets a hook; none offering it leaves p unhooked.
+                for owner in module.modules():
+                    offer = getattr(owner, "register_wgrad_accumulation_and_reduce_hooks", None)
+                    if offer is not None and any(q is p for q in owner.parameters()):
+                        offer(self._hook_for(p))
             else:
                 node = _grad_accumulator(p)
                 self._grad_accs.append(node)
-                self._handles.append(node.register_hook(hook))
+                self._handles.append(node.register_hook(self._hook_for(p)))
 
     def _hook_for(self, p: torch.Tensor) -> Callable[..., None]:
         calls = self._calls[id(p)]
 
-        def hook(*_: object) -> None:  # store: (param); AccumulateGrad post-hook: (grad_in, grad_out)
+        def hook(*_: object) -> None:  # module route: (); AccumulateGrad post-hook: (grad_in, grad_out)
             grad_was_none = p.grad is None
-            if p.grad is not None and not getattr(p, "grad_added_to_main_grad", False):
-                p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+            if self._overlap and grad_was_none:
+                # Megatron asserts here before marking the parameter ready for the reduction.
+                raise AssertionError("param.grad being None is not safe when overlap_grad_reduce is True")
+            if p.grad is not None and (
+                not getattr(p, "grad_added_to_main_grad", False) or getattr(p, "zero_out_wgrad", False)
+            ):
+                p.main_grad.add_(p.grad.data)  # type: ignore[attr-defined]
             p.grad = None
             snapshot = p.main_grad.detach().clone() if self._snapshots else None  # type: ignore[attr-defined]
             calls.append(HookCall(threading.get_ident(), grad_was_none, snapshot))
@@ -122,20 +163,22 @@ class MegatronStyleDDP:
         return hook
 
     def calls(self, param: torch.Tensor) -> tuple[HookCall, ...]:
-        """Every hook call for ``param`` so far, oldest first."""
+        """Every hook call for ``param`` since the last :meth:`zero_grad_buffer`, oldest first."""
         return tuple(self._calls[id(param)])
 
-    def zero_grad(self) -> None:
-        """Start a step: zero ``main_grad``, reset the flag, clear ``.grad`` and the recorded calls."""
+    def zero_grad_buffer(self) -> None:
+        """Start a step as Megatron does: zero ``main_grad``, reset the flag; ``.grad`` is left as it is.
+
+        Also forgets the recorded hook calls.
+        """
         for p in self.params:
             p.main_grad.zero_()  # type: ignore[attr-defined]
             if hasattr(p, "grad_added_to_main_grad"):
                 p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-            p.grad = None
             self._calls[id(p)].clear()
 
     def remove(self) -> None:
-        """Remove every hook this object registered."""
+        """Remove the AccumulateGrad hooks this object registered (module-routed hooks are the module's)."""
         for handle in self._handles:
             handle.remove()  # type: ignore[attr-defined]
         self._handles.clear()

@@ -5,15 +5,18 @@
 * :class:`WeightGradStore` / :class:`PendingWeightGrads` — delayed weight
   gradients: B records, W computes, accumulates and fires grad-ready hooks.
 * :mod:`gradsafe.wgrad.markers` — which parameters a delayed W pass owns.
+* :func:`register_megatron_hook` — Megatron-core DDP's grad-ready hook for a
+  delayed parameter (:mod:`gradsafe.wgrad.megatron`).
 
 No patch: this is a library that kernels call. ``examples/fused_linear.py``
 shows a kernel built on it; :class:`gradsafe.testing.MegatronStyleDDP` tests
-one under Megatron-style hooks.
+one under Megatron-core's hooks without Megatron.
 """
 
 from gradsafe.wgrad._policy import dummy_wgrad, wgrad_return
 from gradsafe.wgrad._store import GradReadyHook, PendingWeightGrads, WeightGradClosure, WeightGradStore
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
+from gradsafe.wgrad.megatron import register_megatron_hook
 
 __all__ = [
     "GradReadyHook",
@@ -23,5 +26,6 @@ __all__ = [
     "dummy_wgrad",
     "grad_lifetime_is_managed",
     "mark_delayed_wgrad",
+    "register_megatron_hook",
     "wgrad_return",
 ]

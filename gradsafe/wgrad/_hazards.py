@@ -28,7 +28,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsafe.checks import Check, Outcome
-from gradsafe.testing.megatron import HookCall, MegatronStyleDDP
+from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 from gradsafe.wgrad._policy import wgrad_return
 from gradsafe.wgrad._store import GradReadyHook, WeightGradClosure, WeightGradStore
 from gradsafe.wgrad.markers import mark_delayed_wgrad
@@ -69,7 +69,7 @@ class Pending(Protocol):
 class DelayedStore(Recorder, Protocol):
     def seal(self) -> Pending: ...
 
-    def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> object: ...
+    def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle: ...
 
 
 class _ReproLinear(torch.autograd.Function):
@@ -275,14 +275,16 @@ def delayed_schedule(microbatches: int) -> list[tuple[str, int]]:
 
 def _drive(
     names: Sequence[str],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
     store: DelayedStore | None,
     losses: Sequence[Callable[[], torch.Tensor]],
     *,
     grad_added_flag: bool,
 ) -> Run:
-    ddp = MegatronStyleDDP(params, store, grad_added_flag=grad_added_flag)
-    ddp.zero_grad()
+    ddp = MegatronStyleDDP(
+        module_of(params, store), delay_wgrad_compute=store is not None, grad_added_flag=grad_added_flag
+    )
+    ddp.zero_grad_buffer()
     if store is None:
         for loss in losses:
             loss().backward()

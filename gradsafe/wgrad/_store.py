@@ -13,8 +13,8 @@ Parameters whose weight gradient comes from W are marked with
 sees only None during B (the weight slot returns None), so whoever needs to
 know that a delayed parameter's gradient is ready registers with
 :meth:`WeightGradStore.register_grad_ready_hook` instead of hooking
-AccumulateGrad — the convention Megatron-core follows for parameters marked
-``skip_backward_post_hook``.
+AccumulateGrad — Megatron-core's DDP through
+:mod:`gradsafe.wgrad.megatron`.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class PendingWeightGrads:
                 f"PendingWeightGrads.run: this W pass is {self._state.value}; each sealed B pass "
                 "runs exactly once (call store.seal() after the next B for a new one)"
             )
+        self._refuse_gradients_no_hook_would_take()
         self._state = _State.RUNNING
         try:
             self._deliver()
@@ -104,6 +105,29 @@ class PendingWeightGrads:
             raise
         self._uses = ()
         self._state = _State.DONE
+
+    def _refuse_gradients_no_hook_would_take(self) -> None:
+        # An unfused use puts its gradient into .grad. Under a Megatron-style
+        # wrapper (main_grad and the flag) only a grad-ready hook moves it into
+        # main_grad; without one it would silently miss the step.
+        for use in self._uses:
+            param = use.param
+            if (
+                not use.accumulate_into_main_grad
+                and not self._hooks.get(param)
+                and hasattr(param, "main_grad")
+                and hasattr(param, "grad_added_to_main_grad")
+            ):
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: a delayed parameter of shape {tuple(param.shape)} has "
+                    "main_grad and grad_added_to_main_grad (a Megatron-style data-parallel wrapper "
+                    "owns its gradient) but no grad-ready hook in this store, so this W pass's "
+                    "gradient would stay in .grad and never reach main_grad. Under Megatron-core "
+                    "set DistributedDataParallelConfig(delay_wgrad_compute=True) and give the module "
+                    "that holds the parameter register_wgrad_accumulation_and_reduce_hooks "
+                    "(gradsafe.wgrad.megatron.register_megatron_hook); with "
+                    "gradsafe.testing.MegatronStyleDDP pass delay_wgrad_compute=True"
+                )
 
     def _deliver(self) -> None:
         by_param: dict[int, list[_Use]] = {}

@@ -21,18 +21,25 @@ __all__ = [
     "mark_hook_keeps_no_gradient",
 ]
 
-# gradsafe's own marker; TransformerEngine/Megatron use ``skip_backward_post_hook``.
-_MARKER = "_gradsafe_delayed_wgrad"
+# The attribute TransformerEngine sets on its delayed parameters and Megatron-core's
+# DDP reads (with ``delay_wgrad_compute``) to hook them through their module
+# instead of AccumulateGrad: one marker, so every reader agrees.
+_MARKER = "skip_backward_post_hook"
 
 
 def mark_delayed_wgrad(param: torch.Tensor) -> None:
-    """Mark ``param`` as having its weight gradient produced by a delayed W pass."""
+    """Mark ``param`` as having its weight gradient produced by a delayed W pass.
+
+    Sets ``param.skip_backward_post_hook = True``, TransformerEngine's marker,
+    which Megatron-core's ``DistributedDataParallel`` reads (see
+    :mod:`gradsafe.wgrad.megatron`).
+    """
     setattr(param, _MARKER, True)
 
 
 def grad_lifetime_is_managed(param: torch.Tensor) -> bool:
     """True if a delayed-wgrad path (gradsafe's or TransformerEngine's) owns ``param``'s gradient."""
-    return bool(getattr(param, _MARKER, False) or getattr(param, "skip_backward_post_hook", False))
+    return bool(getattr(param, _MARKER, False))
 
 
 _HOOK_MARKER = "_gradsafe_keeps_no_gradient"

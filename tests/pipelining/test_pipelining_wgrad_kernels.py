@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
-from gradsafe.testing import MegatronStyleDDP
+from gradsafe.testing import MegatronStyleDDP, module_of
 from gradsafe.wgrad import WeightGradStore
 from gradsafe.wgrad._hazards import repro_linear
 from gradsafe.wgrad.markers import mark_delayed_wgrad
@@ -39,7 +39,7 @@ def test_fused_or_delayed_wgrad_kernel_in_a_split_stage_counts_once(fuse: bool, 
     store = WeightGradStore() if delayed else None
     if delayed:
         mark_delayed_wgrad(w)
-    ddp = MegatronStyleDDP([w], store)
+    ddp = MegatronStyleDDP(module_of([w], store), delay_wgrad_compute=delayed)
     out = repro_linear(torch.tanh(repro_linear(x, w, fuse=fuse, store=store)), w, fuse=fuse, store=store)
     _, handoff = stage_backward_input([out], [g], [x], [w])
     stage_backward_weight([w], handoff)

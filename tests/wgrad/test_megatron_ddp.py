@@ -1,4 +1,7 @@
-"""gradsafe.testing.MegatronStyleDDP: Megatron-style main_grad, flag and hooks, checked against plain autograd."""
+"""gradsafe.testing.MegatronStyleDDP: Megatron-core's main_grad, flag, hooks and their routing, against plain autograd.
+
+Each behaviour pinned here was read in megatron-core 0.19.2 and is run side by side with
+the real DistributedDataParallel in test_megatron_real.py."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from gradsafe.testing import MegatronStyleDDP
+from gradsafe.testing import MegatronStyleDDP, module_of
 from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad
 
 
@@ -26,7 +29,7 @@ def _loss(params, x):  # type: ignore[no-untyped-def]
 
 def test_hooks_accumulate_every_microbatch_into_main_grad() -> None:
     params = _model()
-    ddp = MegatronStyleDDP(params)
+    ddp = MegatronStyleDDP(module_of(params))
     xs = [torch.randn(2, 3, dtype=torch.float64) for _ in range(3)]
     for x in xs:
         _loss(params, x).backward()
@@ -41,49 +44,116 @@ def test_hooks_accumulate_every_microbatch_into_main_grad() -> None:
         assert len(calls) == 3
         assert all(c.thread == threading.get_ident() and not c.grad_was_none for c in calls)
         torch.testing.assert_close(calls[-1].main_grad_after, r.grad)
-    ddp.zero_grad()
+    ddp.zero_grad_buffer()
     assert all(ddp.calls(p) == () and not p.main_grad.any() for p in params)
 
 
 def test_flag_set_means_the_hook_adds_nothing() -> None:
     params = _model()
-    ddp = MegatronStyleDDP(params)
+    ddp = MegatronStyleDDP(module_of(params))
     params[0].grad_added_to_main_grad = True
     _loss(params, torch.randn(2, 3, dtype=torch.float64)).backward()
     assert not params[0].main_grad.any() and params[1].main_grad.any()
     assert len(ddp.calls(params[0])) == 1
 
 
-def test_low_precision_parameters_get_fp32_main_grad() -> None:
-    p = torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
-    MegatronStyleDDP([p])
-    assert p.main_grad.dtype == torch.float32
+def test_zero_out_wgrad_makes_the_hook_add_despite_the_flag() -> None:
+    params = _model()
+    MegatronStyleDDP(module_of(params))
+    params[0].grad_added_to_main_grad = True
+    params[0].zero_out_wgrad = True
+    _loss(params, torch.randn(2, 3, dtype=torch.float64)).backward()
+    assert params[0].main_grad.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_main_grad_is_fp32_only_with_grad_reduce_in_fp32(dtype: torch.dtype) -> None:
+    p, q = torch.nn.Parameter(torch.randn(3, dtype=dtype)), torch.nn.Parameter(torch.randn(3, dtype=dtype))
+    MegatronStyleDDP(module_of([p]))
+    MegatronStyleDDP(module_of([q]), grad_reduce_in_fp32=True)
+    assert p.main_grad.dtype == dtype
+    assert q.main_grad.dtype == torch.float32  # fp64 too: Megatron's grad dtype is torch.float
 
 
 def test_no_flag_unless_asked() -> None:
     p = torch.nn.Parameter(torch.randn(3))
-    MegatronStyleDDP([p], grad_added_flag=False)
+    MegatronStyleDDP(module_of([p]), grad_added_flag=False)
     assert not hasattr(p, "grad_added_to_main_grad")
 
 
-def test_delayed_parameters_are_hooked_through_the_store() -> None:
+def test_zero_grad_buffer_keeps_a_stale_grad() -> None:
     p = torch.nn.Parameter(torch.randn(3))
-    mark_delayed_wgrad(p)
-    with pytest.raises(ValueError, match="pass store="):
-        MegatronStyleDDP([p])
+    ddp = MegatronStyleDDP(module_of([p]))
+    p.grad_added_to_main_grad = True
+    p.grad = torch.ones(3)
+    ddp.zero_grad_buffer()
+    assert p.grad is not None and p.grad_added_to_main_grad is False and not p.main_grad.any()
+
+
+def test_overlap_grad_reduce_asserts_on_grad_none() -> None:
+    """A delayed weight hooked at AccumulateGrad (not routed) meets .grad None in B: Megatron's AssertionError."""
+    from gradsafe.wgrad._hazards import repro_linear
+
+    p, w = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 3))
+    ddp = MegatronStyleDDP(module_of([p, w]), overlap_grad_reduce=True)
+    (p * 2.0).sum().backward()
+    assert len(ddp.calls(p)) == 1
+    with pytest.raises(AssertionError, match="param.grad being None is not safe when overlap_grad_reduce is True"):
+        repro_linear(torch.randn(4, 3), w, fuse=False, store=WeightGradStore()).sum().backward()
+
+
+@pytest.mark.parametrize("delay_wgrad_compute", [False, True])
+@pytest.mark.parametrize("offers_method", [False, True])
+@pytest.mark.parametrize("marked", [False, True])
+def test_delayed_routing_needs_all_three_conditions(
+    marked: bool, offers_method: bool, delay_wgrad_compute: bool
+) -> None:
+    """Module route only with skip_backward_post_hook, delay_wgrad_compute and a module offering the method."""
     store = WeightGradStore()
-    ddp = MegatronStyleDDP([p], store)
-    (p * 2.0).sum().backward()  # not through the store: AccumulateGrad is not hooked
-    assert ddp.calls(p) == () and p.grad is not None
+    p = torch.nn.Parameter(torch.randn(3))
+    if marked:
+        mark_delayed_wgrad(p)
+    module = module_of([p], store) if offers_method else torch.nn.ParameterList([p])
+    ddp = MegatronStyleDDP(module, delay_wgrad_compute=delay_wgrad_compute)
+    (p * 2.0).sum().backward()
+    routed_to_module = marked and delay_wgrad_compute
+    if routed_to_module:
+        assert ddp.calls(p) == () and p.grad is not None  # AccumulateGrad is not hooked
+    else:
+        assert len(ddp.calls(p)) == 1 and p.grad is None
+    p.grad = None  # B's undelayed gradient: dropped, only W's counts below
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
+    if routed_to_module and not offers_method:
+        # Megatron hooks nothing at all: W's .grad would never reach main_grad. gradsafe refuses.
+        with pytest.raises(RuntimeError, match="register_wgrad_accumulation_and_reduce_hooks"):
+            store.seal().run()
+        return
+    if not routed_to_module:
+        with pytest.raises(RuntimeError, match="delay_wgrad_compute=True"):
+            store.seal().run()
+        return
     store.seal().run()
     assert len(ddp.calls(p)) == 1 and p.grad is None
-    torch.testing.assert_close(p.main_grad, torch.full((3,), 3.0))
+    torch.testing.assert_close(p.main_grad, torch.ones(3))
+
+
+def test_a_tied_weight_in_two_modules_gets_one_delayed_hook() -> None:
+    """Megatron registers per module that holds the weight; gradsafe keeps one hook per parameter."""
+    store = WeightGradStore()
+    p = torch.nn.Parameter(torch.randn(3))
+    mark_delayed_wgrad(p)
+    two_modules = torch.nn.ModuleList([module_of([p], store), module_of([p], store)])
+    ddp = MegatronStyleDDP(two_modules, delay_wgrad_compute=True, overlap_grad_reduce=True)
+    store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
+    store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
+    store.seal().run()
+    assert len(ddp.calls(p)) == 1
+    torch.testing.assert_close(p.main_grad, torch.full((3,), 2.0))
 
 
 def test_remove_unhooks() -> None:
     params = _model()
-    ddp = MegatronStyleDDP(params)
+    ddp = MegatronStyleDDP(module_of(params))
     ddp.remove()
     _loss(params, torch.randn(2, 3, dtype=torch.float64)).backward()
     assert all(p.grad is not None and not p.main_grad.any() for p in params)

@@ -42,13 +42,13 @@ def test_fused_use_inside_activation_checkpointing_keeps_the_outer_unfused_use(u
     """Reentrant checkpointing runs the fused use in a backward of its own: its dummy must not hide the outer use."""
     from torch.utils.checkpoint import checkpoint
 
-    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.testing import MegatronStyleDDP, module_of
     from gradsafe.wgrad._hazards import repro_linear
 
     def run(fused: bool) -> torch.Tensor:
         g = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64))
-        ddp = MegatronStyleDDP([w])
+        ddp = MegatronStyleDDP(module_of([w]))
         for _ in range(3):
             x = torch.randn(2, 4, generator=g, dtype=torch.float64, requires_grad=True)
             ids = torch.randint(0, 4, (2,), generator=g)

@@ -140,11 +140,30 @@ def test_fused_and_unfused_uses_in_one_b_pass_both_arrive() -> None:
     def fused(main_grad):  # type: ignore[no-untyped-def]
         main_grad.add_(1.0)
 
+    seen: list[tuple[float, float, bool]] = []
+    store.register_grad_ready_hook(
+        w, lambda p: seen.append((p.main_grad[0, 0].item(), p.grad[0, 0].item(), p.grad_added_to_main_grad))
+    )
     store.record(w, fused, accumulate_into_main_grad=True)
     store.record(w, lambda mg: torch.full((2, 2), 2.0, dtype=torch.float64), accumulate_into_main_grad=False)
     store.seal().run()
-    assert bool((w.main_grad == 1.0).all()) and bool((w.grad == 2.0).all())
-    assert w.grad_added_to_main_grad is False
+    assert seen == [(1.0, 2.0, False)]  # the hook adds .grad: nothing is counted twice or lost
+
+
+def test_w_refuses_an_unfused_gradient_no_hook_would_move_into_main_grad() -> None:
+    """Megatron-core without delay_wgrad_compute (or without the module's hook method) leaves W's .grad behind."""
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
+    w.main_grad = torch.zeros(2, 2, dtype=torch.float64)
+    w.grad_added_to_main_grad = False
+    store.record(w, lambda mg: torch.ones(2, 2, dtype=torch.float64), accumulate_into_main_grad=False)
+    pending = store.seal()
+    with pytest.raises(RuntimeError, match="delay_wgrad_compute=True"):
+        pending.run()
+    assert w.grad is None  # refused before anything was applied: the pass can still run
+    store.register_grad_ready_hook(w, lambda p: p.main_grad.add_(p.grad))
+    pending.run()
+    assert bool((w.main_grad == 1.0).all())
 
 
 def _sgd_step_in_backward(params, lr: float):  # type: ignore[no-untyped-def]

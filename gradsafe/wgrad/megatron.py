@@ -1,0 +1,83 @@
+"""Delayed weight gradients under Megatron-core's ``DistributedDataParallel``.
+
+Megatron-core's DDP (read and run: 0.19.2) hooks a parameter through its
+module instead of its AccumulateGrad node only when all three hold:
+
+* ``param.skip_backward_post_hook`` is True — gradsafe's delayed path sets it
+  (:func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`, called by
+  ``WeightGradStore.record`` and ``register_grad_ready_hook``);
+* ``DistributedDataParallelConfig(delay_wgrad_compute=True)``;
+* a module whose ``parameters()`` include ``param`` has
+  ``register_wgrad_accumulation_and_reduce_hooks(hook)``.
+
+DDP then calls that method once per such module with a hook for ``param``
+(``hook()`` adds ``.grad`` into ``main_grad`` unless
+``grad_added_to_main_grad``, clears ``.grad``, and under
+``overlap_grad_reduce`` asserts ``.grad`` is not None and marks the parameter
+ready for the reduction). The hook does not say which parameter it serves, so
+a module that offers the method must hold exactly one delayed parameter, and
+its method passes that parameter here::
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
+        register_megatron_hook(self.wgrad_store, self.weight, hook)
+
+If any of the three is missing, DDP hooks AccumulateGrad, which runs in B
+with ``.grad`` None (an ``AssertionError`` under ``overlap_grad_reduce``;
+without it, W's gradient would stay in ``.grad``, which
+:meth:`~gradsafe.wgrad.PendingWeightGrads.run` refuses rather than leave
+``main_grad`` short).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradsafe.wgrad.markers import mark_delayed_wgrad
+
+__all__ = ["GradReadyRegistry", "Removable", "register_megatron_hook"]
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+class GradReadyRegistry(Protocol):
+    """Where delayed parameters' grad-ready hooks are registered (a :class:`gradsafe.wgrad.WeightGradStore`)."""
+
+    def register_grad_ready_hook(
+        self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]
+    ) -> Removable: ...
+
+
+# One Megatron hook per parameter: the handle of the one now registered.
+_handles: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_megatron_hook(
+    store: GradReadyRegistry, param: torch.Tensor, hook: Callable[[], object]
+) -> Removable:
+    """Fire Megatron-core DDP's grad-ready ``hook`` for ``param`` in each of ``store``'s W passes that computes it.
+
+    Call it from a module's ``register_wgrad_accumulation_and_reduce_hooks``
+    with the module's one delayed parameter. Marks ``param`` as delayed. At
+    most one Megatron hook per parameter: a later call replaces the earlier
+    one. DDP registers a weight tied across two modules once per module, and
+    a second hook in the same W pass would meet ``.grad`` already cleared (an
+    ``AssertionError`` under ``overlap_grad_reduce``); a DDP built again over
+    the same model likewise takes over from the old one.
+    """
+    mark_delayed_wgrad(param)
+    old = _handles.get(param)
+    if old is not None:
+        old.remove()
+
+    def grad_ready(_: torch.Tensor) -> None:
+        hook()
+
+    handle = store.register_grad_ready_hook(param, grad_ready)
+    _handles[param] = handle
+    return handle
