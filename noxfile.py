@@ -1,4 +1,4 @@
-"""One test session per supported torch release and Python version, plus lint and a type check (CI runs them all).
+"""One test session per supported torch release and Python version, lint, a type check, and megatron-core's real DDP (CI runs them all).
 
 Each session runs the README's two set-up commands with that torch pinned:
 ``pip install torch==X . && gradsafe doctor`` (must exit 0), then
@@ -83,6 +83,40 @@ def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+def _python_for_megatron() -> str:
+    """Python 3.12 (megatron-core needs >= 3.12): on PATH, else pyenv's newest 3.12.x."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    pyenv = sorted(root.glob("3.12.*/bin/python3.12"))
+    # pyenv puts a python3.12 shim on PATH that fails unless 3.12 is selected: prefer the real one.
+    return str(pyenv[-1]) if pyenv else "3.12"
+
+
+@nox.session(python=_python_for_megatron())
+def megatron(session: nox.Session) -> None:
+    """megatron-core 0.19.2's real DistributedDataParallel under docs/wgrad.md's recipe.
+
+    Python 3.12, torch 2.15.0: the README's two set-up commands (doctor
+    included), with megatron-core from the ``megatron`` extra, then only the
+    tests that run it or the emulation checked against it.
+    """
+    torch = "2.15.0"
+    _install_torch(session, torch)
+    session.install(f"torch=={torch}", ".")
+    session.run("gradsafe", "doctor")
+    session.install(f"torch=={torch}", ".[test,megatron]")
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/wgrad/test_megatron_real.py",
+        "tests/wgrad/test_megatron_ddp.py",
+        "tests/wgrad/test_example.py",
+        *session.posargs,
+    )
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
