@@ -32,11 +32,15 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 8
-STEPS = 2  # the second step is the first whose overlapped reduction starts from the hooks
+STEPS = (
+    2  # the second step is the first whose overlapped reduction starts from the hooks
+)
 
 
 def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("fused_linear_example", REPO / "examples" / "fused_linear.py")
+    spec = importlib.util.spec_from_file_location(
+        "fused_linear_example", REPO / "examples" / "fused_linear.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -59,15 +63,31 @@ def _cpu_stand_ins() -> None:
 class Net(torch.nn.Module):
     """A delayed FusedLinear used twice per microbatch (optionally through a second, tied module), then a plain Linear."""
 
-    def __init__(self, fused_linear: Any, store: Any, *, fused: bool, tied: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        fused_linear: Any,
+        store: Any,
+        *,
+        fused: bool,
+        tied: bool,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.lin = fused_linear.FusedLinear(
-            WIDTH, WIDTH, accumulate_into_main_grad=fused, wgrad_store=store, dtype=dtype
+            WIDTH,
+            WIDTH,
+            accumulate_into_main_grad=fused,
+            wgrad_store=store,
+            dtype=dtype,
         )
         self.lin2 = None
         if tied:  # a second module holding the same weight: Megatron registers it once per module
             self.lin2 = fused_linear.FusedLinear(
-                WIDTH, WIDTH, accumulate_into_main_grad=fused, wgrad_store=store, dtype=dtype
+                WIDTH,
+                WIDTH,
+                accumulate_into_main_grad=fused,
+                wgrad_store=store,
+                dtype=dtype,
             )
             self.lin2.weight = self.lin.weight
         self.out = torch.nn.Linear(WIDTH, 4, dtype=dtype)
@@ -93,20 +113,38 @@ def _schedule(microbatches: int) -> list[tuple[str, int]]:
     return steps
 
 
-def _reference(state: dict[str, torch.Tensor], step: int, world: int, microbatches: int,
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _reference(
+    state: dict[str, torch.Tensor],
+    step: int,
+    world: int,
+    microbatches: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """Plain fp64 autograd: each rank's microbatch sum, averaged over ranks (what the reduction gives)."""
-    params = {k: state[k].double().requires_grad_() for k in ("lin.weight", "out.weight", "out.bias")}
+    params = {
+        k: state[k].double().requires_grad_()
+        for k in ("lin.weight", "out.weight", "out.bias")
+    }
     w, wo, bo = params.values()
     for rank in range(world):
         for mb in range(microbatches):
             x = _data(step, rank, mb, dtype).double()
-            (torch.tanh(torch.tanh(x @ w.t()) @ w.t()) @ wo.t() + bo).pow(2).sum().backward()
+            (torch.tanh(torch.tanh(x @ w.t()) @ w.t()) @ wo.t() + bo).pow(
+                2
+            ).sum().backward()
     return {name: p.grad / world for name, p in params.items()}  # type: ignore[operator]
 
 
-def _run(ddp: Any, store: Any, net: Net, no_sync: Any, microbatches: int, step: int, rank: int,
-         dtype: torch.dtype) -> None:
+def _run(
+    ddp: Any,
+    store: Any,
+    net: Net,
+    no_sync: Any,
+    microbatches: int,
+    step: int,
+    rank: int,
+    dtype: torch.dtype,
+) -> None:
     """One step: passes of every microbatch but the last inside no_sync, as Megatron's schedules do."""
     pending: dict[int, Any] = {}
     for phase, mb in _schedule(microbatches):
@@ -122,14 +160,28 @@ def _run(ddp: Any, store: Any, net: Net, no_sync: Any, microbatches: int, step: 
 def _outcome(fn: Any) -> str:
     try:
         fn()
-    except Exception as exc:  # the type is what is compared
+    except Exception as exc:  # noqa: BLE001 (the type is what is compared)
         return f"{type(exc).__name__}: {str(exc)[:160]}"
     return "ok"
 
 
-def _case(fused_linear: Any, world: int, rank: int, *, overlap: bool, dtype: torch.dtype,
-          fp32_reduce: bool, fused: bool, microbatches: int, tied: bool, delay: bool) -> dict[str, Any]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _case(
+    fused_linear: Any,
+    world: int,
+    rank: int,
+    *,
+    overlap: bool,
+    dtype: torch.dtype,
+    fp32_reduce: bool,
+    fused: bool,
+    microbatches: int,
+    tied: bool,
+    delay: bool,
+) -> dict[str, Any]:
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.transformer import TransformerConfig
 
     from gradsafe.testing import MegatronStyleDDP
@@ -141,7 +193,11 @@ def _case(fused_linear: Any, world: int, rank: int, *, overlap: bool, dtype: tor
     emu_net = Net(fused_linear, emu_store, fused=fused, tied=tied, dtype=dtype)
     emu_net.load_state_dict(real_net.state_dict())
     state = {k: v.clone() for k, v in real_net.state_dict().items()}
-    config = dict(overlap_grad_reduce=overlap, grad_reduce_in_fp32=fp32_reduce, delay_wgrad_compute=delay)
+    config = {
+        "overlap_grad_reduce": overlap,
+        "grad_reduce_in_fp32": fp32_reduce,
+        "delay_wgrad_compute": delay,
+    }
     real = DistributedDataParallel(
         TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
         DistributedDataParallelConfig(**config),
@@ -149,19 +205,42 @@ def _case(fused_linear: Any, world: int, rank: int, *, overlap: bool, dtype: tor
     )
     emu = MegatronStyleDDP(emu_net, **config)
     found: dict[str, Any] = {"real": [], "emu": [], "real_vs_emu": [], "outcome": []}
-    found["dtypes"] = (real_net.lin.weight.main_grad.dtype, emu_net.lin.weight.main_grad.dtype)
+    found["dtypes"] = (
+        real_net.lin.weight.main_grad.dtype,
+        emu_net.lin.weight.main_grad.dtype,
+    )
     for step in range(STEPS):
         ref = _reference(state, step, world, microbatches, dtype)
 
-        def real_step() -> None:
+        def real_step(step: int = step) -> None:
             real.zero_grad_buffer()
-            _run(real, real_store, real_net, real.no_sync, microbatches, step, rank, dtype)
+            _run(
+                real,
+                real_store,
+                real_net,
+                real.no_sync,
+                microbatches,
+                step,
+                rank,
+                dtype,
+            )
             real.finish_grad_sync()
 
-        def emu_step() -> None:
+        def emu_step(step: int = step) -> None:
             emu.zero_grad_buffer()
-            _run(emu_net, emu_store, emu_net, contextlib.nullcontext, microbatches, step, rank, dtype)
-            for p in emu.params:  # Megatron's reduction: scale by 1/world in the grad dtype, then sum
+            _run(
+                emu_net,
+                emu_store,
+                emu_net,
+                contextlib.nullcontext,
+                microbatches,
+                step,
+                rank,
+                dtype,
+            )
+            for p in (
+                emu.params
+            ):  # Megatron's reduction: scale by 1/world in the grad dtype, then sum
                 p.main_grad.mul_(1.0 / world)
                 dist.all_reduce(p.main_grad)
 
@@ -170,23 +249,33 @@ def _case(fused_linear: Any, world: int, rank: int, *, overlap: bool, dtype: tor
             break
         for which, net in (("real", real_net), ("emu", emu_net)):
             errs = [
-                ((p.main_grad.double() - ref[name]).abs().max() / ref[name].abs().max()).item()
+                (
+                    (p.main_grad.double() - ref[name]).abs().max()
+                    / ref[name].abs().max()
+                ).item()
                 for name, p in net.named_parameters()
                 if name in ref
             ]
             found[which].append(max(errs))
             if any(p.grad is not None for p in net.parameters()):
-                found[which][-1] = float("inf")  # a gradient left in .grad never reaches main_grad
+                found[which][-1] = float(
+                    "inf"
+                )  # a gradient left in .grad never reaches main_grad
         found["real_vs_emu"].append(
-            max((a.main_grad.double() - b.main_grad.double()).abs().max().item()
-                for a, b in zip(real_net.parameters(), emu_net.parameters()))
+            max(
+                (a.main_grad.double() - b.main_grad.double()).abs().max().item()
+                for a, b in zip(real_net.parameters(), emu_net.parameters())
+            )
         )
     return found
 
 
 def _probes(fused_linear: Any) -> dict[str, tuple[object, object]]:
     """zero_grad_buffer and zero_out_wgrad, real beside the emulation (plain parameters)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.transformer import TransformerConfig
 
     from gradsafe.testing import MegatronStyleDDP
@@ -202,7 +291,10 @@ def _probes(fused_linear: Any) -> dict[str, tuple[object, object]]:
         ),
         MegatronStyleDDP(nets[1]),
     ]
-    probes: dict[str, list[object]] = {"stale .grad kept": [], "zero_out_wgrad adds": []}
+    probes: dict[str, list[object]] = {
+        "stale .grad kept": [],
+        "zero_out_wgrad adds": [],
+    }
     for net, ddp in zip(nets, ddps):
         net.weight.grad = torch.ones_like(net.weight)
         net.weight.grad_added_to_main_grad = True
@@ -223,32 +315,53 @@ def main() -> None:
     try:
         import megatron.core.distributed  # noqa: F401
         from megatron.core import parallel_state
-    except Exception as exc:  # an import that fails in any way: the test skips with this reason
+    except Exception as exc:  # noqa: BLE001 (an import that fails in any way: the test skips with this reason)
         torch.save({"import_error": f"{type(exc).__name__}: {exc}"}, outfile)
         return
     start = time.perf_counter()
     found: dict[str, Any] = {}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
         _cpu_stand_ins()
         parallel_state.initialize_model_parallel(1, 1)
         fused_linear = _example()
         cases = []
-        grid = itertools.product((False, True), (torch.float32, torch.bfloat16), (False, True), (False, True),
-                                 (1, 2, 3, 4))
+        grid = itertools.product(
+            (False, True),
+            (torch.float32, torch.bfloat16),
+            (False, True),
+            (False, True),
+            (1, 2, 3, 4),
+        )
         for overlap, dtype, fp32_reduce, fused, microbatches in grid:
-            key = dict(overlap=overlap, dtype=dtype, fp32_reduce=fp32_reduce, fused=fused,
-                       microbatches=microbatches, tied=False, delay=True)
+            key = {
+                "overlap": overlap,
+                "dtype": dtype,
+                "fp32_reduce": fp32_reduce,
+                "fused": fused,
+                "microbatches": microbatches,
+                "tied": False,
+                "delay": True,
+            }
             cases.append((key, _case(fused_linear, world, rank, **key)))
         for overlap, fused in itertools.product((False, True), (False, True)):
             # A weight tied across two modules; and the recipe without delay_wgrad_compute.
             for tied, delay in ((True, True), (False, False)):
-                key = dict(overlap=overlap, dtype=torch.float32, fp32_reduce=True, fused=fused,
-                           microbatches=4, tied=tied, delay=delay)
+                key = {
+                    "overlap": overlap,
+                    "dtype": torch.float32,
+                    "fp32_reduce": True,
+                    "fused": fused,
+                    "microbatches": 4,
+                    "tied": tied,
+                    "delay": delay,
+                }
                 cases.append((key, _case(fused_linear, world, rank, **key)))
         found["cases"] = cases
         found["probes"] = _probes(fused_linear)
-    except Exception:
+    except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
         found["crash"] = traceback.format_exc()
     found["seconds"] = time.perf_counter() - start
     torch.save(found, outfile)

@@ -42,7 +42,9 @@ def test_hooks_accumulate_every_microbatch_into_main_grad() -> None:
         torch.testing.assert_close(p.main_grad, r.grad)
         calls = ddp.calls(p)
         assert len(calls) == 3
-        assert all(c.thread == threading.get_ident() and not c.grad_was_none for c in calls)
+        assert all(
+            c.thread == threading.get_ident() and not c.grad_was_none for c in calls
+        )
         torch.testing.assert_close(calls[-1].main_grad_after, r.grad)
     ddp.zero_grad_buffer()
     assert all(ddp.calls(p) == () and not p.main_grad.any() for p in params)
@@ -68,11 +70,16 @@ def test_zero_out_wgrad_makes_the_hook_add_despite_the_flag() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_main_grad_is_fp32_only_with_grad_reduce_in_fp32(dtype: torch.dtype) -> None:
-    p, q = torch.nn.Parameter(torch.randn(3, dtype=dtype)), torch.nn.Parameter(torch.randn(3, dtype=dtype))
+    p, q = (
+        torch.nn.Parameter(torch.randn(3, dtype=dtype)),
+        torch.nn.Parameter(torch.randn(3, dtype=dtype)),
+    )
     MegatronStyleDDP(module_of([p]))
     MegatronStyleDDP(module_of([q]), grad_reduce_in_fp32=True)
     assert p.main_grad.dtype == dtype
-    assert q.main_grad.dtype == torch.float32  # fp64 too: Megatron's grad dtype is torch.float
+    assert (
+        q.main_grad.dtype == torch.float32
+    )  # fp64 too: Megatron's grad dtype is torch.float
 
 
 def test_no_flag_unless_asked() -> None:
@@ -87,7 +94,11 @@ def test_zero_grad_buffer_keeps_a_stale_grad() -> None:
     p.grad_added_to_main_grad = True
     p.grad = torch.ones(3)
     ddp.zero_grad_buffer()
-    assert p.grad is not None and p.grad_added_to_main_grad is False and not p.main_grad.any()
+    assert (
+        p.grad is not None
+        and p.grad_added_to_main_grad is False
+        and not p.main_grad.any()
+    )
 
 
 def test_overlap_grad_reduce_asserts_on_grad_none() -> None:
@@ -98,8 +109,13 @@ def test_overlap_grad_reduce_asserts_on_grad_none() -> None:
     ddp = MegatronStyleDDP(module_of([p, w]), overlap_grad_reduce=True)
     (p * 2.0).sum().backward()
     assert len(ddp.calls(p)) == 1
-    with pytest.raises(AssertionError, match="param.grad being None is not safe when overlap_grad_reduce is True"):
-        repro_linear(torch.randn(4, 3), w, fuse=False, store=WeightGradStore()).sum().backward()
+    with pytest.raises(
+        AssertionError,
+        match="param.grad being None is not safe when overlap_grad_reduce is True",
+    ):
+        repro_linear(
+            torch.randn(4, 3), w, fuse=False, store=WeightGradStore()
+        ).sum().backward()
 
 
 @pytest.mark.parametrize("delay_wgrad_compute", [False, True])
@@ -125,7 +141,9 @@ def test_delayed_routing_needs_all_three_conditions(
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     if routed_to_module and not offers_method:
         # Megatron hooks nothing at all: W's .grad would never reach main_grad. gradsafe refuses.
-        with pytest.raises(RuntimeError, match="register_wgrad_accumulation_and_reduce_hooks"):
+        with pytest.raises(
+            RuntimeError, match="register_wgrad_accumulation_and_reduce_hooks"
+        ):
             store.seal().run()
         return
     if not routed_to_module:
@@ -143,7 +161,9 @@ def test_a_tied_weight_in_two_modules_gets_one_delayed_hook() -> None:
     p = torch.nn.Parameter(torch.randn(3))
     mark_delayed_wgrad(p)
     two_modules = torch.nn.ModuleList([module_of([p], store), module_of([p], store)])
-    ddp = MegatronStyleDDP(two_modules, delay_wgrad_compute=True, overlap_grad_reduce=True)
+    ddp = MegatronStyleDDP(
+        two_modules, delay_wgrad_compute=True, overlap_grad_reduce=True
+    )
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     store.seal().run()

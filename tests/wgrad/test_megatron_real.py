@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_megatron_real_worker.py")
@@ -46,10 +45,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
-def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
     world = int(request.param)
     out = tmp_path_factory.mktemp(f"megatron{world}")
-    results = run_ranks(WORKER, [str(world)], world, out, "megatron-core DDP", timeout=300)
+    results = run_ranks(
+        WORKER, [str(world)], world, out, "megatron-core DDP", timeout=300
+    )
     if "import_error" in results[0]:
         pytest.skip(f"megatron-core cannot be imported: {results[0]['import_error']}")
     for result in results:
@@ -57,11 +60,20 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return results
 
 
-def _cases(ranks: list[dict[str, Any]], *, delay: bool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    return [(key, found) for result in ranks for key, found in result["cases"] if key["delay"] is delay]
+def _cases(
+    ranks: list[dict[str, Any]], *, delay: bool
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [
+        (key, found)
+        for result in ranks
+        for key, found in result["cases"]
+        if key["delay"] is delay
+    ]
 
 
-def test_recipe_is_exact_under_real_megatron_and_the_emulation_matches_it_bit_for_bit(ranks) -> None:  # type: ignore[no-untyped-def]
+def test_recipe_is_exact_under_real_megatron_and_the_emulation_matches_it_bit_for_bit(
+    ranks,
+) -> None:  # type: ignore[no-untyped-def]
     cases = _cases(ranks, delay=True)
     assert len(cases) == len(ranks) * 68
     for key, found in cases:
@@ -77,11 +89,17 @@ def test_without_delay_wgrad_compute_both_refuse_alike(ranks) -> None:  # type: 
     for key, found in _cases(ranks, delay=False):
         real, emu = found["outcome"][0]
         if key["overlap"]:
-            assert real.startswith("AssertionError: param.grad being None is not safe"), key
+            assert real.startswith(
+                "AssertionError: param.grad being None is not safe"
+            ), key
         elif not key["fused"]:
-            assert real.startswith("RuntimeError: PendingWeightGrads.run: a delayed parameter"), key
+            assert real.startswith(
+                "RuntimeError: PendingWeightGrads.run: a delayed parameter"
+            ), key
         else:  # W adds into main_grad itself and B's hook sees nothing: still exact
-            assert found["outcome"] == [("ok", "ok")] * 2 and max(found["real"]) <= 1e-5, key
+            assert (
+                found["outcome"] == [("ok", "ok")] * 2 and max(found["real"]) <= 1e-5
+            ), key
         assert real.split(":")[0] == emu.split(":")[0] and real == emu, key
 
 
