@@ -204,7 +204,21 @@ def _case(
         real_net,
     )
     emu = MegatronStyleDDP(emu_net, **config)
-    found: dict[str, Any] = {"real": [], "emu": [], "real_vs_emu": [], "outcome": []}
+    # The same model without delay (plain autograd wgrad) under the same real DDP.
+    base_net = Net(fused_linear, None, fused=False, tied=tied, dtype=dtype)
+    base_net.load_state_dict(real_net.state_dict())
+    base = DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
+        DistributedDataParallelConfig(**config),
+        base_net,
+    )
+    found: dict[str, Any] = {
+        "real": [],
+        "emu": [],
+        "real_vs_emu": [],
+        "real_vs_undelayed": [],
+        "outcome": [],
+    }
     found["dtypes"] = (
         real_net.lin.weight.main_grad.dtype,
         emu_net.lin.weight.main_grad.dtype,
@@ -261,6 +275,15 @@ def _case(
                 found[which][-1] = float(
                     "inf"
                 )  # a gradient left in .grad never reaches main_grad
+        base.zero_grad_buffer()
+        _run(base, WeightGradStore(), base_net, base.no_sync, microbatches, step, rank, dtype)
+        base.finish_grad_sync()
+        found["real_vs_undelayed"].append(
+            max(
+                (a.main_grad.double() - b.main_grad.double()).abs().max().item()
+                for a, b in zip(real_net.parameters(), base_net.parameters())
+            )
+        )
         found["real_vs_emu"].append(
             max(
                 (a.main_grad.double() - b.main_grad.double()).abs().max().item()
