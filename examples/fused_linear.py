@@ -176,7 +176,9 @@ def main() -> None:
     for delayed in (False, True):
         for fused in (False, True):
             err = largest_error(fused=fused, delayed=delayed)
-            print(f"delayed={delayed!s:5} fused={fused!s:5} max |main_grad - nn.Linear's| = {err:.2e}")
+            print(
+                f"delayed={delayed!s:5} fused={fused!s:5} max |main_grad - nn.Linear's| = {err:.2e}"
+            )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class HookCall:
 
     thread: int  # threading.get_ident() of the thread it ran on
     grad_was_none: bool  # .grad was None when the hook ran
-    main_grad_after: torch.Tensor | None  # a copy of main_grad right after the call (None: snapshots off)
+    # A copy of main_grad right after the call (None: snapshots off).
+    main_grad_after: torch.Tensor | None
 
 
 def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
@@ -147,13 +148,17 @@ class MegatronStyleDDP:
     def _hook_for(self, p: torch.Tensor) -> Callable[..., None]:
         calls = self._calls[id(p)]
 
-        def hook(*_: object) -> None:  # module route: (); AccumulateGrad post-hook: (grad_in, grad_out)
+        # Called with () through a module, with (grad_in, grad_out) as an AccumulateGrad post-hook.
+        def hook(*_: object) -> None:
             grad_was_none = p.grad is None
             if self._overlap and grad_was_none:
                 # Megatron asserts here before marking the parameter ready for the reduction.
-                raise AssertionError("param.grad being None is not safe when overlap_grad_reduce is True")
+                raise AssertionError(
+                    "param.grad being None is not safe when overlap_grad_reduce is True"
+                )
             if p.grad is not None and (
-                not getattr(p, "grad_added_to_main_grad", False) or getattr(p, "zero_out_wgrad", False)
+                not getattr(p, "grad_added_to_main_grad", False)
+                or getattr(p, "zero_out_wgrad", False)
             ):
                 p.main_grad.add_(p.grad.data)  # type: ignore[attr-defined]
             p.grad = None

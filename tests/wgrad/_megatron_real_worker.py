@@ -32,9 +32,8 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTH = 8
-STEPS = (
-    2  # the second step is the first whose overlapped reduction starts from the hooks
-)
+# The second step is the first whose overlapped reduction starts from the hooks.
+STEPS = 2
 
 
 def _example() -> Any:
@@ -122,16 +121,13 @@ def _reference(
 ) -> dict[str, torch.Tensor]:
     """Plain fp64 autograd: each rank's microbatch sum, averaged over ranks (what the reduction gives)."""
     params = {
-        k: state[k].double().requires_grad_()
-        for k in ("lin.weight", "out.weight", "out.bias")
+        k: state[k].double().requires_grad_() for k in ("lin.weight", "out.weight", "out.bias")
     }
     w, wo, bo = params.values()
     for rank in range(world):
         for mb in range(microbatches):
             x = _data(step, rank, mb, dtype).double()
-            (torch.tanh(torch.tanh(x @ w.t()) @ w.t()) @ wo.t() + bo).pow(
-                2
-            ).sum().backward()
+            (torch.tanh(torch.tanh(x @ w.t()) @ w.t()) @ wo.t() + bo).pow(2).sum().backward()
     return {name: p.grad / world for name, p in params.items()}  # type: ignore[operator]
 
 
@@ -252,9 +248,8 @@ def _case(
                 rank,
                 dtype,
             )
-            for p in (
-                emu.params
-            ):  # Megatron's reduction: scale by 1/world in the grad dtype, then sum
+            # Megatron's reduction: scale by 1/world in the grad dtype, then sum.
+            for p in emu.params:
                 p.main_grad.mul_(1.0 / world)
                 dist.all_reduce(p.main_grad)
 
@@ -263,18 +258,14 @@ def _case(
             break
         for which, net in (("real", real_net), ("emu", emu_net)):
             errs = [
-                (
-                    (p.main_grad.double() - ref[name]).abs().max()
-                    / ref[name].abs().max()
-                ).item()
+                ((p.main_grad.double() - ref[name]).abs().max() / ref[name].abs().max()).item()
                 for name, p in net.named_parameters()
                 if name in ref
             ]
             found[which].append(max(errs))
             if any(p.grad is not None for p in net.parameters()):
-                found[which][-1] = float(
-                    "inf"
-                )  # a gradient left in .grad never reaches main_grad
+                # A gradient left in .grad never reaches main_grad.
+                found[which][-1] = float("inf")
         base.zero_grad_buffer()
         _run(base, WeightGradStore(), base_net, base.no_sync, microbatches, step, rank, dtype)
         base.finish_grad_sync()

@@ -42,9 +42,7 @@ def test_hooks_accumulate_every_microbatch_into_main_grad() -> None:
         torch.testing.assert_close(p.main_grad, r.grad)
         calls = ddp.calls(p)
         assert len(calls) == 3
-        assert all(
-            c.thread == threading.get_ident() and not c.grad_was_none for c in calls
-        )
+        assert all(c.thread == threading.get_ident() and not c.grad_was_none for c in calls)
         torch.testing.assert_close(calls[-1].main_grad_after, r.grad)
     ddp.zero_grad_buffer()
     assert all(ddp.calls(p) == () and not p.main_grad.any() for p in params)
@@ -77,9 +75,7 @@ def test_main_grad_is_fp32_only_with_grad_reduce_in_fp32(dtype: torch.dtype) -> 
     MegatronStyleDDP(module_of([p]))
     MegatronStyleDDP(module_of([q]), grad_reduce_in_fp32=True)
     assert p.main_grad.dtype == dtype
-    assert (
-        q.main_grad.dtype == torch.float32
-    )  # fp64 too: Megatron's grad dtype is torch.float
+    assert q.main_grad.dtype == torch.float32  # fp64 too: Megatron's grad dtype is torch.float
 
 
 def test_no_flag_unless_asked() -> None:
@@ -94,11 +90,7 @@ def test_zero_grad_buffer_keeps_a_stale_grad() -> None:
     p.grad_added_to_main_grad = True
     p.grad = torch.ones(3)
     ddp.zero_grad_buffer()
-    assert (
-        p.grad is not None
-        and p.grad_added_to_main_grad is False
-        and not p.main_grad.any()
-    )
+    assert p.grad is not None and p.grad_added_to_main_grad is False and not p.main_grad.any()
 
 
 def test_overlap_grad_reduce_asserts_on_grad_none() -> None:
@@ -113,9 +105,7 @@ def test_overlap_grad_reduce_asserts_on_grad_none() -> None:
         AssertionError,
         match="param.grad being None is not safe when overlap_grad_reduce is True",
     ):
-        repro_linear(
-            torch.randn(4, 3), w, fuse=False, store=WeightGradStore()
-        ).sum().backward()
+        repro_linear(torch.randn(4, 3), w, fuse=False, store=WeightGradStore()).sum().backward()
 
 
 @pytest.mark.parametrize("delay_wgrad_compute", [False, True])
@@ -141,9 +131,7 @@ def test_delayed_routing_needs_all_three_conditions(
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     if routed_to_module and not offers_method:
         # Megatron hooks nothing at all: W's .grad would never reach main_grad. gradsafe refuses.
-        with pytest.raises(
-            RuntimeError, match="register_wgrad_accumulation_and_reduce_hooks"
-        ):
+        with pytest.raises(RuntimeError, match="register_wgrad_accumulation_and_reduce_hooks"):
             store.seal().run()
         return
     if not routed_to_module:
@@ -161,9 +149,7 @@ def test_a_tied_weight_in_two_modules_gets_one_delayed_hook() -> None:
     p = torch.nn.Parameter(torch.randn(3))
     mark_delayed_wgrad(p)
     two_modules = torch.nn.ModuleList([module_of([p], store), module_of([p], store)])
-    ddp = MegatronStyleDDP(
-        two_modules, delay_wgrad_compute=True, overlap_grad_reduce=True
-    )
+    ddp = MegatronStyleDDP(two_modules, delay_wgrad_compute=True, overlap_grad_reduce=True)
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     store.record(p, lambda mg: torch.ones(3), accumulate_into_main_grad=False)
     store.seal().run()

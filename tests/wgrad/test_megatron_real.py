@@ -32,6 +32,7 @@ import torch
 from _ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_megatron_real_worker.py")
+pytestmark = pytest.mark.distributed
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip(
@@ -50,9 +51,7 @@ def ranks(
 ) -> list[dict[str, Any]]:
     world = int(request.param)
     out = tmp_path_factory.mktemp(f"megatron{world}")
-    results = run_ranks(
-        WORKER, [str(world)], world, out, "megatron-core DDP", timeout=300
-    )
+    results = run_ranks(WORKER, [str(world)], world, out, "megatron-core DDP", timeout=300)
     if "import_error" in results[0]:
         pytest.skip(f"megatron-core cannot be imported: {results[0]['import_error']}")
     for result in results:
@@ -64,10 +63,7 @@ def _cases(
     ranks: list[dict[str, Any]], *, delay: bool
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     return [
-        (key, found)
-        for result in ranks
-        for key, found in result["cases"]
-        if key["delay"] is delay
+        (key, found) for result in ranks for key, found in result["cases"] if key["delay"] is delay
     ]
 
 
@@ -91,17 +87,11 @@ def test_without_delay_wgrad_compute_both_refuse_alike(ranks) -> None:  # type: 
     for key, found in _cases(ranks, delay=False):
         real, emu = found["outcome"][0]
         if key["overlap"]:
-            assert real.startswith(
-                "AssertionError: param.grad being None is not safe"
-            ), key
+            assert real.startswith("AssertionError: param.grad being None is not safe"), key
         elif not key["fused"]:
-            assert real.startswith(
-                "RuntimeError: PendingWeightGrads.run: a delayed parameter"
-            ), key
+            assert real.startswith("RuntimeError: PendingWeightGrads.run: a delayed parameter"), key
         else:  # W adds into main_grad itself and B's hook sees nothing: still exact
-            assert (
-                found["outcome"] == [("ok", "ok")] * 2 and max(found["real"]) <= 1e-5
-            ), key
+            assert found["outcome"] == [("ok", "ok")] * 2 and max(found["real"]) <= 1e-5, key
         assert real.split(":")[0] == emu.split(":")[0] and real == emu, key
 
 
