@@ -122,7 +122,7 @@ def hooks_fire_once_in_w() -> Outcome:
 
     for param in module.parameters():
         param.register_post_accumulate_grad_hook(count("post-accumulate-grad"))
-        accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        accumulator = torch.autograd.graph.get_gradient_edge(param).node
         accumulator.register_hook(count("AccumulateGrad node"))
         accumulators.append(accumulator)
     split_backward(module, torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
