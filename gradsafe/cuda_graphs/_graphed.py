@@ -94,10 +94,10 @@ def make_graphed_callables(
             * ``"always"``: copy every returned gradient.
             * ``"never"``: upstream's behaviour (static-buffer views).
 
-            Parameters whose gradient lifetime is managed by a delayed
-            weight-gradient path (:func:`gradsafe.wgrad.markers.mark_delayed_wgrad`
-            or TransformerEngine's ``skip_backward_post_hook``) keep upstream's
-            view under every policy: their returned gradient is a placeholder.
+            A delayed-wgrad mark (:func:`gradsafe.wgrad.markers.mark_delayed_wgrad`,
+            TransformerEngine's ``skip_backward_post_hook``) exempts nothing:
+            a marked weight used inside the callable returns its real
+            gradient here, so its slot follows the same rule.
 
     Raises:
         UnsupportedTorchError: the installed torch builds graphed callables in

@@ -42,7 +42,6 @@ from gradsafe.cuda_graphs._autograd import (
     leaf_fate,
     will_execute,
 )
-from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = ["Ownership", "owning_graphed", "OWNERSHIP_POLICIES"]
 
@@ -59,11 +58,12 @@ def _is_gradsafe_graphed_output(t: object) -> bool:
 
 
 def _leaf_needs_copy(accumulator: Any, policy: Ownership) -> bool:
+    # No exemption for parameters marked as delayed-wgrad: a mark says that
+    # some use of the weight is delayed, not that this slot holds a placeholder
+    # (a tied weight's unfused use inside the callable puts its real gradient
+    # here, and W then adds into whatever .grad is). A static buffer does not
+    # say which it holds, so it is owned by the same rule as any leaf's.
     leaf = accumulator.variable
-    if grad_lifetime_is_managed(leaf):
-        # Delayed wgrad writes the real gradient elsewhere (main_grad) at W
-        # time; the returned one is a placeholder and keeps upstream's alias.
-        return False
     fate = leaf_fate(accumulator)
     if fate == "discarded":
         return False

@@ -1,8 +1,10 @@
 """What the wgrad library tells the CUDA-graphs wrapper about parameters and hooks.
 
 * Parameters whose gradient lifetime is managed by a delayed weight-gradient
-  path: the CUDA-graphs wrapper leaves their returned gradients alone (the
-  returned gradient is a dummy; the real one is written at W time).
+  path: data-parallel wrappers hook them through the store's grad-ready hooks
+  (:class:`gradsafe.testing.MegatronStyleDDP`). The CUDA-graphs wrapper does
+  not read the mark: a marked weight may also have an undelayed use whose
+  real gradient fills its slot.
 * Tensor hooks gradsafe registers that only look at the incoming gradient and
   keep no reference to it: the CUDA-graphs wrapper need not copy a static
   buffer for them.
