@@ -14,7 +14,8 @@ reproduces that on the CPU:
   every Python reference to a captured tensor (a static output, a static
   gradient, a ``.detach()`` of one) sees the new values, as on a GPU;
 * what a real capture refuses (reading a device value on the host, ops whose
-  output shape depends on device values) raises the error a GPU raises.
+  output shape depends on device values) raises the error a GPU raises; which
+  calls those are is one table, :mod:`gradsafe.testing._capture_verdicts`.
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
+from gradsafe.testing._capture_verdicts import (
+    Capture,
+    host_read_refused,
+    torch_function_verdict,
+)
+
 __all__ = [
+    "INVALIDATED",
+    "NOT_PERMITTED",
     "CaptureRefusal",
     "GraphRecording",
     "HostReadRefusalMode",
     "RecordingMode",
     "capture_error",
-    "NOT_PERMITTED",
-    "INVALIDATED",
 ]
 
 # CUDA errors surface as torch.AcceleratorError (a RuntimeError) where torch
@@ -75,50 +82,10 @@ _HOST_READ_FIX: Final = (
     "Read device values on the host only outside the captured region (after replay())."
 )
 
-# aten ops whose CUDA kernel copies a device value to the host and waits for
-# it: a scalar read, or an output whose size depends on the data.
-_SYNCING: Final = {
-    torch.ops.aten._local_scalar_dense: "reads a device scalar on the host (.item(), bool(t), int(t), float(t))",
-    torch.ops.aten.equal: "torch.equal returns a host bool computed on the device",
-    torch.ops.aten.nonzero: "nonzero's output size depends on device values",
-    torch.ops.aten.nonzero_numpy: "nonzero's output size depends on device values",
-    torch.ops.aten.argwhere: "argwhere's output size depends on device values",
-    torch.ops.aten.masked_select: "masked_select's output size depends on device values",
-    torch.ops.aten._unique: "unique's output size depends on device values",
-    torch.ops.aten._unique2: "unique's output size depends on device values",
-    torch.ops.aten.unique_dim: "unique's output size depends on device values",
-    torch.ops.aten.unique_consecutive: "unique_consecutive's output size depends on device values",
-    torch.ops.aten.unique_dim_consecutive: "unique_consecutive's output size depends on device values",
-    torch.ops.aten.bincount: "bincount's output size depends on device values",
-}
-
-_MASK_DTYPES: Final = (torch.bool, torch.uint8)
-
-
-def _mask_indices(indices: Any) -> list[torch.Tensor]:
-    return [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES]
-
-
 def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why a CUDA capture would refuse this aten call, or None if it captures."""
-    packet = getattr(func, "overloadpacket", None)  # higher-order operators have none
-    if packet in _SYNCING:
-        return f"{func}: {_SYNCING[packet]}"
-    if packet is torch.ops.aten.repeat_interleave and func._overloadname == "Tensor":
-        if kwargs.get("output_size", args[1] if len(args) > 1 else None) is None:
-            return f"{func}: repeat_interleave without output_size has a data-dependent output size"
-        return None
-    if packet is torch.ops.aten.index and _mask_indices(args[1]):
-        return f"{func}: indexing with a boolean mask (x[mask]) has a data-dependent output size"
-    if packet in (torch.ops.aten.index_put_, torch.ops.aten.index_put, torch.ops.aten._index_put_impl_):
-        masks = _mask_indices(args[1])
-        accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
-        # torch turns `x[mask] = scalar` into masked_fill_, which captures;
-        # any other masked assignment goes through nonzero.
-        single_mask = len(masks) == 1 and sum(i is not None for i in args[1]) == 1
-        if masks and not (single_mask and args[2].numel() == 1 and not accumulate):
-            return f"{func}: masked assignment of a tensor (x[mask] = values) goes through nonzero"
-    return None
+    """Why a CUDA capture would refuse this aten call (its row in the verdict table), or None."""
+    row = host_read_refused(func, args, kwargs)
+    return None if row is None else f"{func}: {row.case} {row.why}"
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -326,26 +293,21 @@ class RecordingMode(TorchDispatchMode):
         return out
 
 
-# Tensor methods that copy device memory to the host without an aten op the
-# dispatch mode could see (printing formats a host copy).
-_HOST_COPIES: Final = {
-    torch.Tensor.tolist: ".tolist() copies device memory to the host",
-    torch.Tensor.numpy: ".numpy() needs a host copy",
-    torch.Tensor.cpu: ".cpu() copies device memory to the host and waits for it",
-    torch.Tensor.__repr__: "printing a tensor copies it to the host",
-    torch.Tensor.__format__: "formatting a tensor copies it to the host",
-}
-
-
 class HostReadRefusalMode(TorchFunctionMode):
-    """Refuses the host copies that bypass aten dispatch (``tolist``, ``print``, ``cpu``, ``numpy``)."""
+    """Applies the verdict table's Python-level rows: host copies that bypass aten dispatch
+    (``tolist``, ``print``, ``cpu``, ``numpy``) are refused, and calls whose CPU kernel reads the
+    host where CUDA's does not (``one_hot(t, num_classes=k)``) run CUDA's algorithm instead.
+    """
 
     def __init__(self, refusal: CaptureRefusal) -> None:
         super().__init__()
         self.refusal = refusal
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        what = _HOST_COPIES.get(func)
-        if what is not None:
-            raise self.refusal.refuse(what, _HOST_READ_FIX)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        row = torch_function_verdict(func, args, kwargs)
+        if row is not None and row.emulated_capture is Capture.REFUSED:
+            raise self.refusal.refuse(f"{row.case} {row.why}", _HOST_READ_FIX)
+        if row is not None and row.cuda_algorithm is not None:
+            return row.cuda_algorithm(args, kwargs)
+        return func(*args, **kwargs)

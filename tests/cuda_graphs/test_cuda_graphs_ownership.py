@@ -20,16 +20,15 @@ from gradsafe.cuda_graphs import UnsupportedTorchError, make_graphed_callables
 from gradsafe.cuda_graphs._hazards import (
     ALIASED,
     EXPECTED,
-    CopyCounter,
     SEED_X1,
     SEED_X2,
+    CopyCounter,
     ScaleByWeight,
     seed_grads,
 )
 from gradsafe.testing import emulate_cuda_graphs
 from gradsafe.wgrad import WeightGradStore
 from gradsafe.wgrad.markers import mark_delayed_wgrad
-
 
 
 @dataclasses.dataclass(frozen=True)
