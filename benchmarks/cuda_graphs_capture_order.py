@@ -21,7 +21,7 @@ import platform
 import torch
 from torch.distributed.pipelining import schedules
 
-from gradsafe.cuda_graphs._capture_order_hazards import te_count_check, te_wgrad_matches
+from gradsafe.cuda_graphs._capture_order_hazards import te_capture, te_count_check, te_wgrad_matches
 from gradsafe.cuda_graphs.capture_order import CaptureOrder, CaptureOrderError, EntryKind
 
 SCHEDULES = (schedules.ScheduleZBVZeroBubble, schedules.ScheduleInterleavedZeroBubble)
@@ -50,6 +50,12 @@ def report(schedule_cls: type, ranks: int) -> None:
         te_verdict = "accepts" if te_count_check(floats) is None else "refuses"
         te_matched = [(c - 1, mb) for _, c, mb in te_wgrad_matches(floats)]
         wrong = sum(a != b for a, b in zip(te_matched, wgrads))
+        captured = te_capture(floats)
+        capture = (
+            "captures every graph"
+            if captured.error is None
+            else f"capture fails at position {captured.position} ({captured.error.split('.')[0]})"
+        )
         try:
             CaptureOrder.from_te_order(floats)
             parsed = "parses it"
@@ -65,7 +71,7 @@ def report(schedule_cls: type, ranks: int) -> None:
         print(f"  hand-written TE list: {' '.join(_fmt(v) for v in floats)}")
         print(
             f"    TE (modelled): count check {te_verdict}, wgrad entries matched to another "
-            f"microbatch {wrong}/{len(wgrads)} | gradsafe from_te_order {parsed}"
+            f"microbatch {wrong}/{len(wgrads)}, {capture} | gradsafe from_te_order {parsed}"
         )
         print(f"  {exact}")
 

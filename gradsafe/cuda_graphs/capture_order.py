@@ -7,8 +7,10 @@ schedule's ``I``/``B``) and delayed wgrad (weight-gradient, the schedule's
 TransformerEngine encodes that order as a list of floats (``c`` forward of
 chunk ``c``, ``-c`` its dgrad, ``-c-0.5`` its delayed wgrad, chunks 1-based)
 and checks only that each chunk has as many wgrad as dgrad entries; which
-microbatch a wgrad entry belongs to is implied by position, and some orders
-that pass the count map two wgrad entries to one microbatch.
+microbatch a wgrad entry belongs to is implied by position. Orders that pass
+that count but map two wgrad entries to one microbatch (or a wgrad to no
+dgrad yet) then fail in the middle of its capture, with an error that names
+neither the entry nor the rule.
 
 :class:`CaptureOrder` names the microbatch of every entry, validates the
 order (the error names the position and the rule), derives it from a
@@ -349,9 +351,10 @@ class CaptureOrder:
                 default: the chunks that have a wgrad entry.
 
         Raises:
-            CaptureOrderError: an order TransformerEngine would refuse, or one it
-                accepts but captures wrongly (e.g. ``[1, 1, -1, -1, -1.5, -1.5]``:
-                both wgrad entries match microbatch 1).
+            CaptureOrderError: an order TransformerEngine would refuse, or one
+                whose count it accepts and whose capture then fails (e.g.
+                ``[1, 1, -1, -1, -1.5, -1.5]``: both wgrad entries match
+                microbatch 1, and the second capture into its graph raises).
         """
         forwards: dict[int, int] = {}
         dgrads: dict[int, int] = {}
@@ -373,7 +376,9 @@ class CaptureOrder:
                         position,
                         f"{value} comes before any dgrad of chunk {chunk + 1}; TransformerEngine "
                         "matches a wgrad entry to its chunk's most recent dgrad, so its index here "
-                        "is -1 (another callable's graph). Move it after that chunk's dgrad.",
+                        "is one below the chunk's first (KeyError: -1 in TransformerEngine for "
+                        "chunk 1, the previous chunk's last graph otherwise). Move it after that "
+                        "chunk's dgrad.",
                     )
                 if (chunk, microbatch) in wgrad_taken:
                     raise CaptureOrderError(
@@ -382,8 +387,9 @@ class CaptureOrder:
                         f"{value} is matched by TransformerEngine to chunk {chunk + 1}'s most recent "
                         f"dgrad, microbatch {microbatch}, which position "
                         f"{wgrad_taken[(chunk, microbatch)]} already has; TransformerEngine's count "
-                        "check passes, but an earlier microbatch's wgrad graph is never captured. "
-                        "Put each wgrad before its chunk's next dgrad.",
+                        "check passes, and its capture then fails (\"This CUDAGraph instance "
+                        "already owns a captured graph\"). Put each wgrad before its chunk's next "
+                        "dgrad.",
                     )
                 wgrad_taken[(chunk, microbatch)] = position
                 entries.append(CaptureEntry.wgrad(chunk, microbatch))

@@ -9,8 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradsafe.cuda_graphs._capture_order_hazards import (
+    ALREADY_CAPTURED,
     CHECKS,
     WRONG_TE_ORDER,
+    TECapture,
+    te_capture,
     te_count_check,
     te_wgrad_matches,
 )
@@ -102,9 +105,17 @@ def test_entries_must_be_typed() -> None:
 # -- TransformerEngine ----------------------------------------------------------
 
 
-def test_seed_example_is_accepted_by_te_model_and_refused_by_gradsafe() -> None:
+def test_seed_example_passes_te_count_check_then_fails_its_capture() -> None:
     assert te_count_check(WRONG_TE_ORDER) is None
     assert te_wgrad_matches(WRONG_TE_ORDER) == [(4, 1, 1), (5, 1, 1)]
+    # Both entries pick microbatch 1's wgrad graph: the second capture into it raises.
+    captured = te_capture(WRONG_TE_ORDER)
+    assert captured.passed_count_check and captured.position == 5
+    assert captured.error == f"RuntimeError: {ALREADY_CAPTURED}"
+    assert captured.wgrad_graphs == ((4, 1, 1),)
+
+
+def test_seed_example_is_refused_by_gradsafe_up_front() -> None:
     error = refused(Rule.ONE_WGRAD_PER_DGRAD, 5, lambda: CaptureOrder.from_te_order(WRONG_TE_ORDER))
     assert "microbatch 1" in str(error) and "position 4" in str(error)
 
@@ -119,6 +130,7 @@ def test_te_model_accepts_surplus_wgrad_after_balance() -> None:
     # The scan stops as soon as the counts balance, so a later extra wgrad is never seen.
     assert te_count_check([1, -1, -1.5, -1.5]) is None
     assert te_wgrad_matches([1, -1, -1.5, -1.5]) == [(2, 1, 0), (3, 1, 0)]
+    assert te_capture([1, -1, -1.5, -1.5]).error == f"RuntimeError: {ALREADY_CAPTURED}"
     refused(Rule.ONE_WGRAD_PER_DGRAD, 3, lambda: CaptureOrder.from_te_order([1, -1, -1.5, -1.5]))
 
 
@@ -127,6 +139,8 @@ def test_te_model_accepts_surplus_wgrad_before_first_dgrad() -> None:
     order = [1, 1, -1.5, -1, -1, -1.5, -1.5]
     assert te_count_check(order) is None
     assert te_wgrad_matches(order)[0] == (2, 1, -1)
+    # need_bwd_dw_graph is a dict keyed by forward index, so index -1 does not wrap around.
+    assert te_capture(order) == TECapture("KeyError: -1", True, 2, ())
     refused(Rule.WGRAD_AFTER_DGRAD, 2, lambda: CaptureOrder.from_te_order(order))
 
 
@@ -297,6 +311,9 @@ def test_te_round_trip(gen: Generated) -> None:
     assert [(c - 1, mb) for _, c, mb in te_wgrad_matches(te.order)] == [
         (e.chunk, e.microbatch) for e in wgrads
     ]
+    captured = te_capture(te.order)
+    assert captured.error is None
+    assert [(c - 1, mb) for _, c, mb in captured.wgrad_graphs] == [(e.chunk, e.microbatch) for e in wgrads]
     back = CaptureOrder.from_te_order(te.order, strict=True)
     assert back.entries == gen.entries
     assert back.delayed_wgrad_chunks == frozenset(e.chunk for e in wgrads)
@@ -324,6 +341,11 @@ def test_non_strict_orders_cannot_go_through_te_unchanged(gen: Generated) -> Non
     assert te_count_check(floats) is None
     matches = [(c - 1, mb) for _, c, mb in te_wgrad_matches(floats)]
     assert matches != [(e.chunk, e.microbatch) for e in gen.entries if e.kind is EntryKind.WGRAD]
+    # ...and TransformerEngine's capture (modelled) then fails: two wgrads into one graph, or an
+    # index before the chunk's first dgrad. Nothing is silently mis-captured.
+    captured = te_capture(floats)
+    assert captured.passed_count_check
+    assert captured.error in (f"RuntimeError: {ALREADY_CAPTURED}", "KeyError: -1"), captured
 
 
 def _positions(gen: Generated, kind: EntryKind) -> list[int]:
