@@ -368,61 +368,74 @@ def test_allow_unused_input(env: Env, mgc: Callable[..., Any]) -> None:
 
 
 class _DelayedMatmul(torch.autograd.Function):
-    """``h @ w`` whose weight gradient is delayed to W, unfused (W adds it into ``w.grad``)."""
+    """``h @ w`` whose weight gradient is delayed to W: added into ``main_grad`` (fused) or ``.grad``."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, store: WeightGradStore, fused: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(h, w)
-        ctx.store = store
+        ctx.store, ctx.fused = store, fused
         return h @ w
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         h, w = ctx.saved_tensors
-        ctx.store.record(w, lambda _: h.t() @ g, accumulate_into_main_grad=False)
-        return g @ w.t(), None, None
+
+        def compute(main_grad: torch.Tensor | None) -> torch.Tensor | None:
+            if main_grad is None:
+                return h.t() @ g
+            main_grad.add_(h.t() @ g)
+            return None
+
+        ctx.store.record(w, compute, accumulate_into_main_grad=ctx.fused)
+        return g @ w.t(), None, None, None
 
 
 def _tied_delayed_grad(
-    env: Env, graph: Callable[..., Any] | None, microbatches: int, w_lag: int
+    env: Env, graph: Callable[..., Any] | None, microbatches: int, w_lag: int, fused: bool = False
 ) -> torch.Tensor:
     """A tied embedding/head in fp64: W used unfused inside the callable, and by a delayed head.
 
     ``graph`` graphs the embedding (None: eager). W of microbatch ``k`` runs
-    after B of microbatch ``k + w_lag``; the rest after the last B.
+    after B of microbatch ``k + w_lag``; the rest after the last B. Returns
+    the weight's whole gradient (``.grad``, plus ``main_grad`` when fused).
     """
     torch.manual_seed(3)
     embed = torch.nn.Linear(6, 4, bias=False, device=env.device, dtype=torch.float64)
+    if fused:
+        embed.weight.main_grad = torch.zeros_like(embed.weight)  # type: ignore[attr-defined]
     store = WeightGradStore()
     xs = [env.randn(3, 6, dtype=torch.float64) for _ in range(microbatches)]
     run = embed if graph is None else graph(embed, (env.randn(3, 6, dtype=torch.float64),))
     pending = []
     for x in xs:
         h = torch.tanh(run(x))
-        _DelayedMatmul.apply(h, embed.weight, store).pow(2).sum().backward()
+        _DelayedMatmul.apply(h, embed.weight, store, fused).pow(2).sum().backward()
         pending.append(store.seal())
         if len(pending) > w_lag:
             pending.pop(0).run()
     for w_pass in pending:
         w_pass.run()
     assert embed.weight.grad is not None
-    return embed.weight.grad
+    return embed.weight.grad + embed.weight.main_grad if fused else embed.weight.grad  # type: ignore[attr-defined]
 
 
 def _ownership(mode: str) -> Callable[..., Any]:
     return lambda *a, **kw: make_graphed_callables(*a, ownership=mode, **kw)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["W-into-grad", "W-into-main_grad"])
 @pytest.mark.parametrize("w_lag", [0, 1], ids=["W-after-its-B", "W-one-behind"])
 @pytest.mark.parametrize("microbatches", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["auto", "always"])
 def test_tied_weight_with_delayed_wgrad_is_exact(
-    env: Env, mode: str, microbatches: int, w_lag: int
+    env: Env, mode: str, microbatches: int, w_lag: int, fused: bool
 ) -> None:
     # store.record() marks the weight delayed; its slot in the graphed
     # backward still carries the embedding's real gradient and must be owned.
-    expected = _tied_delayed_grad(env, None, microbatches, w_lag)
-    got = _tied_delayed_grad(env, _ownership(mode), microbatches, w_lag)
+    expected = _tied_delayed_grad(env, None, microbatches, w_lag, fused)
+    got = _tied_delayed_grad(env, _ownership(mode), microbatches, w_lag, fused)
     torch.testing.assert_close(got, expected)
 
 
