@@ -223,6 +223,9 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
             cuda_algorithm=_one_hot_on_cuda),
     Verdict("torch._assert_async(t)", _A._assert_async, _C, "a device-side assert",
             "aten/src/ATen/native/cuda/TensorCompare.cu: _assert_async_cuda (CPU: is_nonzero)"),
+    Verdict("F.embedding(i, w, max_norm=m)", _A.embedding_renorm_, _C,
+            "renorms the unique rows on the device (the CPU kernel reads each norm on the host)",
+            "aten/src/ATen/native/cuda/Embedding.cu: embedding_renorm_cuda_ (cub::unique, count stays on the device)"),
     Verdict("torch.nonzero_static(x, size=n)", _A.nonzero_static, _C, "the output size is given",
             "aten/src/ATen/native/cuda/Nonzero.cu: nonzero_static_cuda_out_impl (kernels only; the count stays on the device)"),
     # --- host copies that bypass aten dispatch

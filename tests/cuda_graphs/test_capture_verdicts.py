@@ -116,6 +116,11 @@ EXAMPLES: dict[str, Example] = {
     "torch._assert_async(t)": Example(
         _floats(2), lambda x: (torch._assert_async((x > 0).all()), x * 2)[1], alter=_double
     ),
+    "F.embedding(i, w, max_norm=m)": Example(
+        lambda d: (torch.tensor([0, 2, 2], device=d), torch.arange(1.0, 13.0, device=d).reshape(4, 3)),
+        lambda i, w: F.embedding(i, w, max_norm=1.0),
+        alter=lambda i, w: i.copy_(torch.tensor([1, 3, 0])),
+    ),
     "torch.nonzero_static(x, size=n)": Example(
         _floats(4), lambda x: torch.nonzero_static(x > 2, size=3), alter=lambda x: x.sub_(1)
     ),
