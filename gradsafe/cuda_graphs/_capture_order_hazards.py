@@ -259,8 +259,8 @@ def _describe(result: TECapture, where: str) -> Outcome:
     at = f" at position {result.position}" if result.position is not None else ""
     return Outcome(
         False,
-        f"accepted {order} (count check), then capture failed{at}: {result.error}; "
-        f"no rule or position named up front ({where})",
+        f"accepted {order} (count check), then capture failed{at}: "
+        f"{result.error.rstrip('.')}; no rule or position named up front ({where})",
     )
 
 
