@@ -38,8 +38,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gradsafe.cuda_graphs.capture_order import CaptureOrder, CaptureOrderError, Rule
 from gradsafe.checks import Check, Outcome
+from gradsafe.cuda_graphs.capture_order import CaptureOrder, CaptureOrderError, Rule
 
 # The seed report's example: both delayed wgrad entries after both dgrads of chunk 1.
 WRONG_TE_ORDER: tuple[float, ...] = (1, 1, -1, -1, -1.5, -1.5)

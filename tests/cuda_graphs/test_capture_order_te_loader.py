@@ -48,7 +48,9 @@ def fake_te(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(h5, "_te_device", lambda: "cpu")
     yield package
-    for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+    for name in [
+        n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")
+    ]:
         del sys.modules[name]
 
 
@@ -57,10 +59,14 @@ def _graph_raising(package: pathlib.Path, error: str) -> None:
 
 
 def test_installed_te_is_run_and_its_capture_failure_reported(fake_te: pathlib.Path) -> None:
-    _graph_raising(fake_te, 'RuntimeError("This CUDAGraph instance already owns a captured graph (fake)")')
+    _graph_raising(
+        fake_te, 'RuntimeError("This CUDAGraph instance already owns a captured graph (fake)")'
+    )
     outcome = h5._upstream()
     assert outcome.correct is False
-    assert "accepted [1, 1, -1, -1, -1.5, -1.5] (count check), then capture failed" in outcome.detail
+    assert (
+        "accepted [1, 1, -1, -1, -1.5, -1.5] (count check), then capture failed" in outcome.detail
+    )
     assert "already owns a captured graph (fake)" in outcome.detail
     assert "TransformerEngine 0.0+fake" in outcome.detail and str(fake_te) in outcome.detail
     graph = sys.modules["transformer_engine.pytorch.graph"]
@@ -71,10 +77,15 @@ def test_installed_te_is_run_and_its_capture_failure_reported(fake_te: pathlib.P
 
 
 def test_installed_te_count_check_refusal_is_reported_as_up_front(fake_te: pathlib.Path) -> None:
-    _graph_raising(fake_te, "RuntimeError(\"Number of wgrad graph(1) doesn't match number of dgrad graphs (2) for chunk -1.\")")
+    _graph_raising(
+        fake_te,
+        'RuntimeError("Number of wgrad graph(1) doesn\'t match number of dgrad graphs (2) for chunk -1.")',
+    )
     outcome = h5._upstream()
     assert outcome.correct is True
-    assert outcome.detail.startswith("refused [1, 1, -1, -1, -1.5, -1.5] up front: RuntimeError: Number of wgrad")
+    assert outcome.detail.startswith(
+        "refused [1, 1, -1, -1, -1.5, -1.5] up front: RuntimeError: Number of wgrad"
+    )
 
 
 def test_installed_te_without_a_gpu_falls_back_to_the_model(
@@ -83,16 +94,26 @@ def test_installed_te_without_a_gpu_falls_back_to_the_model(
     _graph_raising(fake_te, 'AssertionError("must not be called")')
     monkeypatch.setattr(h5, "_te_device", lambda: None)
     outcome = h5._upstream()
-    assert "modelled from graph.py; TransformerEngine installed, no GPU to run it on" in outcome.detail
-    assert f"then capture failed at position 5: RuntimeError: {h5.ALREADY_CAPTURED.rstrip('.')};" in outcome.detail
+    assert (
+        "modelled from graph.py; TransformerEngine installed, no GPU to run it on" in outcome.detail
+    )
+    assert (
+        f"then capture failed at position 5: RuntimeError: {h5.ALREADY_CAPTURED.rstrip('.')};"
+        in outcome.detail
+    )
     assert sys.modules["transformer_engine.pytorch.graph"].CALLS == []
 
 
 def test_broken_te_install_is_reported_and_modelled(fake_te: pathlib.Path) -> None:
     _graph_raising(fake_te, "RuntimeError('unused')")
-    (fake_te / "pytorch" / "graph.py").write_text("raise ImportError('libtransformer_engine.so: cannot open')\n")
+    (fake_te / "pytorch" / "graph.py").write_text(
+        "raise ImportError('libtransformer_engine.so: cannot open')\n"
+    )
     outcome = h5._upstream()
-    assert "installed but not importable (ImportError: libtransformer_engine.so: cannot open)" in outcome.detail
+    assert (
+        "installed but not importable (ImportError: libtransformer_engine.so: cannot open)"
+        in outcome.detail
+    )
     assert "modelled from graph.py" in outcome.detail and outcome.correct is False
 
 

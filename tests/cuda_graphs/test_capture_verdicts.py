@@ -64,11 +64,18 @@ EXAMPLES: dict[str, Example] = {
     "torch.equal": Example(_floats(2), lambda x: torch.equal(x, x)),
     "torch.allclose": Example(_floats(2), lambda x: torch.allclose(x, x)),
     "linalg.inv / cholesky / solve / lu_factor (error check)": Example(_spd, torch.linalg.inv),
-    "torch.multinomial(p, n) without replacement": Example(_floats(4), lambda p: torch.multinomial(p, 2)),
-    "torch.multinomial(p, n, replacement=True)": Example(
-        _floats(4), lambda p: torch.multinomial(p, 3, replacement=True), alter=None, comparable=False
+    "torch.multinomial(p, n) without replacement": Example(
+        _floats(4), lambda p: torch.multinomial(p, 2)
     ),
-    "torch.histc(x) with min == max (the default)": Example(_floats(6), lambda x: torch.histc(x, bins=3)),
+    "torch.multinomial(p, n, replacement=True)": Example(
+        _floats(4),
+        lambda p: torch.multinomial(p, 3, replacement=True),
+        alter=None,
+        comparable=False,
+    ),
+    "torch.histc(x) with min == max (the default)": Example(
+        _floats(6), lambda x: torch.histc(x, bins=3)
+    ),
     "torch.histc(x, min=a, max=b), a < b": Example(
         _floats(6), lambda x: torch.histc(x, bins=4, min=0.0, max=16.0), alter=_double
     ),
@@ -84,10 +91,14 @@ EXAMPLES: dict[str, Example] = {
     "torch.argwhere": Example(_floats(3), lambda x: torch.argwhere(x > 1)),
     "torch.masked_select": Example(_floats(3), lambda x: torch.masked_select(x, x > 1)),
     "torch.unique": Example(_floats(3), torch.unique),
-    "torch.unique (sorted=False fallback)": Example(_floats(3), lambda x: torch.ops.aten._unique(x)),
+    "torch.unique (sorted=False fallback)": Example(
+        _floats(3), lambda x: torch.ops.aten._unique(x)
+    ),
     "torch.unique(dim=d)": Example(_floats(2, 2), lambda x: torch.unique(x, dim=0)),
     "torch.unique_consecutive": Example(_floats(3), torch.unique_consecutive),
-    "torch.unique_consecutive(dim=d)": Example(_floats(2, 2), lambda x: torch.unique_consecutive(x, dim=0)),
+    "torch.unique_consecutive(dim=d)": Example(
+        _floats(2, 2), lambda x: torch.unique_consecutive(x, dim=0)
+    ),
     "torch.bincount": Example(lambda d: (torch.tensor([0, 2, 2], device=d),), torch.bincount),
     "torch.repeat_interleave(repeats_tensor) without output_size": Example(
         _floats(3), lambda x: torch.repeat_interleave(x, x.long(), dim=0)
@@ -105,7 +116,9 @@ EXAMPLES: dict[str, Example] = {
     ),
     "_index_put_impl_ with a mask": Example(
         _floats(3),
-        lambda x: torch.ops.aten._index_put_impl_(x.clone(), [x > 1], torch.zeros(2, device=x.device)),
+        lambda x: torch.ops.aten._index_put_impl_(
+            x.clone(), [x > 1], torch.zeros(2, device=x.device)
+        ),
     ),
     "F.one_hot(t)": Example(lambda d: (torch.tensor([0, 2, 1], device=d),), F.one_hot),
     "F.one_hot(t, num_classes=k)": Example(
@@ -117,7 +130,10 @@ EXAMPLES: dict[str, Example] = {
         _floats(2), lambda x: (torch._assert_async((x > 0).all()), x * 2)[1], alter=_double
     ),
     "F.embedding(i, w, max_norm=m)": Example(
-        lambda d: (torch.tensor([0, 2, 2], device=d), torch.arange(1.0, 13.0, device=d).reshape(4, 3)),
+        lambda d: (
+            torch.tensor([0, 2, 2], device=d),
+            torch.arange(1.0, 13.0, device=d).reshape(4, 3),
+        ),
         lambda i, w: F.embedding(i, w, max_norm=1.0),
         alter=lambda i, w: i.copy_(torch.tensor([1, 3, 0])),
     ),
@@ -162,7 +178,9 @@ def test_every_row_has_an_example_and_a_source() -> None:
         assert (row.emulated is None or row.emulated is row.cuda) or row.assumption
 
 
-def _capture(body: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, Any]:
+def _capture(
+    body: Callable[..., Any], inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.cuda.CUDAGraph, Any]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = body(*inputs)
@@ -177,7 +195,10 @@ def test_capture_does_what_the_table_says(env: Env, row: Verdict) -> None:
     if env.emulated or env.expected(row) is Capture.CAPTURED:
         body(*inputs)  # eagerly first: the example itself is valid
     if env.expected(row) is Capture.REFUSED:
-        error, message = (CUDA_ERROR, "not permitted when stream is capturing|previous error during capture")
+        error, message = (
+            CUDA_ERROR,
+            "not permitted when stream is capturing|previous error during capture",
+        )
         if example.cuda_error is not None and not env.emulated:
             error, message = example.cuda_error
         with pytest.raises(error, match=message):
