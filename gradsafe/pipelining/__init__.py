@@ -5,6 +5,8 @@ returns a :class:`WeightGradHandoff`; ``stage_backward_weight`` (W) consumes it
 and delivers every parameter's gradient through autograd's AccumulateGrad, so
 parameter hooks fire once per W. ``gradsafe.patch("pipelining")`` installs the
 three functions where ``torch.distributed.pipelining`` looks them up.
+:func:`verify` checks, on copies of a user's own stages, that the split gives
+a fused backward's gradients (and shows what torch's own split gives).
 """
 
 from gradsafe.pipelining._backward import (
@@ -13,12 +15,17 @@ from gradsafe.pipelining._backward import (
     stage_backward_weight,
 )
 from gradsafe.pipelining._handoff import HandoffState, SplitBackwardError, WeightGradHandoff
+from gradsafe.pipelining._verify import ORDERS, verify
+from gradsafe.pipelining._verify_report import VerifyReport
 
 __all__ = [
+    "ORDERS",
     "HandoffState",
     "SplitBackwardError",
+    "VerifyReport",
     "WeightGradHandoff",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",
+    "verify",
 ]

@@ -1,0 +1,246 @@
+"""``verify``: gradsafe's and torch's split backward against a fused one, on the caller's own model."""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsafe.pipelining import _verify_run
+from gradsafe.pipelining._handoff import SplitBackwardError
+from gradsafe.pipelining._verify_report import (
+    CRASH,
+    EXACT,
+    HOOKS,
+    REFUSED,
+    RIGHT,
+    WRONG,
+    GradRow,
+    HookRow,
+    OrderResult,
+    Timing,
+    VerifyReport,
+)
+from gradsafe.pipelining._verify_run import ORDERS, RunResult, Split
+
+__all__ = ["ORDERS", "verify"]
+
+_SEED = 20240611
+# Relative tolerance per dtype: a split sums the same terms in another order.
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _gradsafe_split() -> Split:
+    from gradsafe.pipelining import _backward
+
+    return Split(_backward.stage_backward_input, _backward.stage_backward_weight, _backward.stage_backward)
+
+
+def _torch_split() -> Split:
+    import gradsafe
+
+    where = "torch.distributed.pipelining._backward"
+    return Split(
+        *(  # torch's own functions even while gradsafe.patch("pipelining") is active
+            gradsafe.get_original(where, name)  # type: ignore[misc]
+            for name in ("stage_backward_input", "stage_backward_weight", "stage_backward")
+        )
+    )
+
+
+def verify(
+    module: nn.Module | Sequence[nn.Module],
+    microbatches: Sequence[Any],
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    orders: Sequence[str] = tuple(ORDERS),
+    time_backward: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """Check, on copies of ``module``, that gradsafe's split backward gives a fused backward's gradients.
+
+    The stage (or the list of stages, run in sequence) is deep-copied and cast
+    to ``dtype`` for each run. The reference run does one fused backward per
+    stage and microbatch; then gradsafe's B/W and torch's own B/W run in each
+    W order of :data:`ORDERS` (as zero-bubble schedules place W). Every
+    parameter gradient (accumulated over the microbatches), every stage-input
+    gradient, and the calls of every hook, checkpoint recomputation and
+    custom-Function backward are compared with the reference.
+
+    Args:
+        module: one stage, or a list of stages whose outputs feed the next.
+        microbatches: the first stage's positional inputs per microbatch (a
+            tuple each; a single tensor is taken as a 1-tuple). Floating
+            tensors are cast to ``dtype`` and get gradients.
+        loss_fn: ``loss_fn(last_output, microbatch_index)`` -> scalar; by
+            default a fixed random projection of every output element to a
+            scalar (the last stage then gets seeded random output gradients,
+            so a parameter-only output stays one).
+        dtype: the dtype the copies run in (float64 separates a wrong
+            gradient from rounding best).
+        orders: names from :data:`ORDERS`.
+        time_backward: also measure each run's backward wall and thread CPU time.
+        progress: called with one line per run (the command line prints it).
+
+    Returns:
+        A :class:`VerifyReport`. The caller's modules, their gradients and
+        hooks, and the global RNG state are left as they were (hooks
+        registered on the caller's parameters and modules do run, on the
+        copies, as in training).
+    """
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError("module must be an nn.Module or a non-empty sequence of them (the stages).")
+    unknown = [o for o in orders if o not in ORDERS]
+    if unknown or not orders:
+        raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
+    if dtype not in _TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
+    batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
+    if not batches:
+        raise ValueError("microbatches is empty: pass at least one microbatch.")
+    say = progress or (lambda line: None)
+    devices = sorted({p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"})
+
+    def one(split: Split | None, order: str | None, label: str) -> RunResult:
+        say(f"verify: {label} ...")
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_SEED)
+            return _verify_run.run(modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None)
+
+    if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
+        one(None, None, "fused backward (warm-up for timing)")
+    reference = one(None, None, "fused backward (reference)")
+    if reference.error is not None:
+        raise RuntimeError(
+            f"the fused reference backward failed ({reference.where}): {reference.error!r}; "
+            "verify needs a model whose ordinary backward runs."
+        ) from reference.error
+    runs: dict[str, dict[str, RunResult]] = {"gradsafe": {}, "upstream": {}}
+    for order in orders:
+        runs["gradsafe"][order] = one(_gradsafe_split(), order, f"gradsafe's split, {order}")
+        runs["upstream"][order] = one(_torch_split(), order, f"torch's split, {order}")
+    return _report(reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward)
+
+
+def _report(
+    reference: RunResult,
+    runs: dict[str, dict[str, RunResult]],
+    orders: tuple[str, ...],
+    dtype: torch.dtype,
+    stages: int,
+    microbatches: int,
+    timed: bool,
+) -> VerifyReport:
+    tol = _TOLERANCE[dtype]
+    wanted = {**reference.params, **reference.inputs}
+    rows: list[GradRow] = []
+    errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
+    oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
+    for impl, per in runs.items():
+        for order, res in per.items():
+            got = {**res.params, **res.inputs}
+            for name, want in wanted.items():
+                err, ok = (None, None) if res.error is not None else _compare(want, got.get(name), tol)
+                errors[name].setdefault(impl, {})[order] = err
+                oks[name].setdefault(impl, {})[order] = ok
+    # One row per stage input: the worst over microbatches.
+    merged: dict[str, list[str]] = {}
+    for name in wanted:
+        merged.setdefault(name.split(", microbatch")[0], []).append(name)
+    for row_name, names in merged.items():
+        row_errors: dict[str, dict[str, float | str | None]] = {}
+        row_oks: dict[str, dict[str, bool | None]] = {}
+        for impl, per in runs.items():
+            for order in per:
+                values = [errors[n][impl][order] for n in names]
+                flags = [oks[n][impl][order] for n in names]
+                row_errors.setdefault(impl, {})[order] = _worst_of(values)
+                row_oks.setdefault(impl, {})[order] = None if None in flags else all(flags)
+        maxima = [float(wanted[n].abs().max()) if wanted[n].numel() else 0.0 for n in names if wanted[n] is not None]
+        rows.append(
+            GradRow(row_name, reference.shapes[names[0]], max(maxima) if maxima else None, row_errors, row_oks)
+        )
+    labels = sorted(set(reference.counts).union(*(r.counts for per in runs.values() for r in per.values())))
+    hooks = tuple(
+        HookRow(
+            label,
+            reference.counts[label],
+            {impl: {o: None if r.error else r.counts[label] for o, r in per.items()} for impl, per in runs.items()},
+        )
+        for label in labels
+    )
+    verdicts: dict[str, dict[str, OrderResult]] = {}
+    refused = None
+    for impl, per in runs.items():
+        verdicts[impl] = {}
+        for order, res in per.items():
+            verdicts[impl][order] = _verdict(impl, order, res, reference, oks)
+            if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) and refused is None:
+                refused = str(res.error)
+    timing = None
+    if timed:
+        timing = {"fused": {"fused": Timing(*reference.timing)}} | {
+            impl: {o: Timing(*r.timing) for o, r in per.items() if r.error is None} for impl, per in runs.items()
+        }
+    return VerifyReport(
+        torch_version=torch.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        stages=stages,
+        microbatches=microbatches,
+        orders=orders,
+        tolerance=tol,
+        gradsafe=verdicts["gradsafe"],
+        upstream=verdicts["upstream"],
+        grads=tuple(rows),
+        hooks=hooks,
+        hazards={name: tuple(sorted(params)) for name, params in sorted(reference.hazards.items())},
+        refused=refused,
+        timing=timing,
+    )
+
+
+def _worst_of(values: list[float | str | None]) -> float | str | None:
+    if None in values:
+        return None
+    if "None pattern" in values:
+        return "None pattern"
+    return max(float(v) for v in values)
+
+
+def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) -> tuple[float | str, bool]:
+    if (want is None) != (got is None):
+        return "None pattern", False
+    if want is None or got is None:
+        return 0.0, True
+    if got.shape != want.shape:
+        return "None pattern", False
+    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    if math.isnan(diff):
+        return float("nan"), False
+    rel = diff / scale if scale > 0 else diff
+    return rel, rel <= tol
+
+
+def _verdict(
+    impl: str, order: str, res: RunResult, reference: RunResult, oks: dict[str, dict[str, dict[str, bool | None]]]
+) -> OrderResult:
+    if res.error is not None:
+        kind = REFUSED if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) else CRASH
+        return OrderResult(kind, message=f"{type(res.error).__name__} in {res.where}: {res.error}")
+    wrong = tuple(dict.fromkeys(
+        name.split(", microbatch")[0] for name, per in oks.items() if per[impl][order] is False
+    ))
+    counts: collections.Counter[str] = res.counts
+    hooks = tuple(sorted(label for label in set(counts) | set(reference.counts) if counts[label] != reference.counts[label]))
+    if wrong:
+        return OrderResult(WRONG, wrong, hooks)
+    if hooks:
+        return OrderResult(HOOKS if impl == "upstream" else WRONG, (), hooks)
+    return OrderResult(EXACT if impl == "gradsafe" else RIGHT)

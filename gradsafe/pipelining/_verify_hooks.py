@@ -1,0 +1,160 @@
+"""Counting, on ``verify``'s copies, every call of the hooks a backward runs.
+
+A deep copy keeps a module's own hook dicts but not a parameter's tensor,
+post-accumulate or AccumulateGrad-node hooks, so those are read from the
+caller's parameters and registered, wrapped, on the copies. Hooks created
+during a forward (tensor hooks, node hooks, module full-backward machinery,
+custom Functions) are wrapped in the graph each forward builds. Every wrapper
+counts its calls under a label that names the hook and where it sits, so two
+runs (fused and split) compare label by label. Nothing of the caller's is
+wrapped: its dicts are only read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node, get_gradient_edge
+
+from gradsafe.pipelining._torch import _multi_grad_hook_codes as multi_grad_hook_codes
+from gradsafe.pipelining._torch import is_python_node
+
+__all__ = ["HookCounter"]
+
+_COUNTED = "_gradsafe_verify_label"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _node_hook_dicts(node: Node) -> tuple[dict[Any, Any] | None, dict[Any, Any] | None]:
+    """A node's Python post-hook and pre-hook dicts (a node exposes them only through a handle)."""
+    found: list[dict[Any, Any] | None] = []
+    for register in (node.register_hook, node.register_prehook):
+        handle = register(_no_hook)
+        hooks = handle.hooks_dict_ref()
+        handle.remove()
+        found.append(hooks)
+    return found[0], found[1]
+
+
+def _no_hook(*args: object) -> None:
+    return None
+
+
+class HookCounter:
+    """Calls per hook label for one run; ``in_backward`` marks forwards that are recomputations."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.in_backward = False
+        self._keep: list[Node] = []  # the copies' AccumulateGrad nodes carrying wrapped hooks
+        self._seen: set[int] = set()
+        self.hooked: set[str] = set()  # parameters with hooks a W must run
+
+    def wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        if getattr(fn, _COUNTED, None) is not None:
+            return fn
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[label] += 1
+            return fn(*args, **kwargs)
+
+        setattr(counted, _COUNTED, label)
+        return counted
+
+    def _wrap_dict(self, hooks: dict[Any, Any] | None, what: str) -> None:
+        for key, fn in list((hooks or {}).items()):
+            # register_multi_grad_hook's own functions are recognised by their
+            # code (gradsafe refuses one spanning an input and a parameter): left as is.
+            if getattr(fn, "__code__", None) not in multi_grad_hook_codes():
+                hooks[key] = self.wrap(fn, f"{what} {_name(fn)}")  # type: ignore[index]
+
+    def instrument_copies(self, named: Sequence[tuple[str, nn.Module, nn.Module]]) -> None:
+        """Give each copy the caller's parameter hooks, wrapped, and wrap the copies' module hooks.
+
+        ``named``: (stage prefix, caller's stage, its copy).
+        """
+        done: set[int] = set()  # a parameter shared by two stages gets its hooks once
+        for prefix, original, copy in named:
+            copies = dict(copy.named_parameters())
+            for name, param in original.named_parameters():
+                target = copies.get(name)
+                if target is None or not param.requires_grad or id(target) in done:
+                    continue
+                done.add(id(target))
+                where = f"{prefix}{name}"
+                for fn in (param._backward_hooks or {}).values():
+                    if getattr(fn, "__code__", None) in multi_grad_hook_codes():
+                        continue  # such a hook spans tensors of one forward, not this parameter
+                    target.register_hook(self.wrap(fn, f"tensor hook {_name(fn)} on {where}"))
+                for fn in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                    target.register_post_accumulate_grad_hook(
+                        self.wrap(fn, f"post-accumulate hook {_name(fn)} on {where}")
+                    )
+                with torch.enable_grad():
+                    post, pre = _node_hook_dicts(get_gradient_edge(param).node)
+                    node = get_gradient_edge(target).node
+                for fn in (post or {}).values():
+                    node.register_hook(self.wrap(fn, f"AccumulateGrad hook {_name(fn)} on {where}"))
+                for fn in (pre or {}).values():
+                    node.register_prehook(
+                        self.wrap(fn, f"AccumulateGrad pre-hook {_name(fn)} on {where}")
+                    )
+                self._keep.append(node)
+                if any(
+                    (param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None), post, pre)
+                ):
+                    self.hooked.add(where)
+            for name, module in copy.named_modules():
+                where = f"{prefix}{name}" or prefix.rstrip(".") or "module"
+                self._wrap_dict(module._backward_hooks, f"module backward hook on {where}:")
+                self._wrap_dict(module._backward_pre_hooks, f"module backward pre-hook on {where}:")
+                module.register_forward_pre_hook(functools.partial(self._forward_called, where))
+
+    def _forward_called(self, where: str, module: nn.Module, args: Any) -> None:
+        if self.in_backward:
+            self.counts[f"forward of {where} recomputed in backward"] += 1
+
+    @contextlib.contextmanager
+    def forward_phase(self) -> Iterator[None]:
+        """Wrap tensor hooks registered while the copies run a forward."""
+        original = torch.Tensor.register_hook
+        counter = self
+
+        def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+            if getattr(hook, "__code__", None) not in multi_grad_hook_codes():
+                hook = counter.wrap(hook, f"tensor hook {_name(hook)} (registered in forward)")
+            return original(tensor, hook)
+
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+    def instrument_graph(self, roots: Sequence[Node], stop: set[Node]) -> None:
+        """Wrap the node hooks and custom-Function backwards in the graph behind ``roots``."""
+        stack = [n for n in roots if n is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in self._seen or node in stop:
+                continue
+            self._seen.add(id(node))
+            self._keep.append(node)  # keeps ids unique while the run lasts
+            post, pre = _node_hook_dicts(node)
+            self._wrap_dict(post, f"node hook on {node.name()}:")
+            self._wrap_dict(pre, f"node pre-hook on {node.name()}:")
+            if is_python_node(node) and getattr(node, _COUNTED, None) is None:
+                kind = getattr(type(node), "_forward_cls", type(node))
+                node.apply = self.wrap(node.apply, f"custom Function {_name(kind)} backward")  # type: ignore[method-assign]
+                setattr(node, _COUNTED, True)
+            stack.extend(kid for kid, _ in node.next_functions if kid is not None)

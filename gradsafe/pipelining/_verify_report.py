@@ -1,0 +1,206 @@
+"""What ``gradsafe.pipelining.verify`` found: a typed, immutable report, a table and a JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["GradRow", "HookRow", "OrderResult", "Timing", "VerifyReport"]
+
+# Verdicts of one implementation in one W order.
+EXACT = "exact"  # gradsafe: equal to fused within tolerance
+RIGHT = "right"  # upstream: equal to fused
+WRONG = "WRONG"
+CRASH = "crash"
+HOOKS = "hooks differ"
+REFUSED = "refused"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradRow:
+    """One parameter's (or one stage input's) gradient against fused, per implementation and order.
+
+    ``errors[impl][order]`` is the relative error ``max|split - fused| / max|fused|``
+    (absolute where fused is all zeros), ``None`` where the run crashed or was
+    refused, or the string ``"None pattern"`` where one side has a gradient and
+    the other has none.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    fused_max: float | None  # max |fused gradient|; None: fused gives no gradient
+    errors: Mapping[str, Mapping[str, float | str | None]]
+    ok: Mapping[str, Mapping[str, bool | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRow:
+    """Calls of one hook: fused, and per implementation and order."""
+
+    label: str
+    fused: int
+    calls: Mapping[str, Mapping[str, int | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderResult:
+    """One implementation in one W order: verdict, what differs, the error message if any."""
+
+    verdict: str
+    params: tuple[str, ...] = ()  # parameters / stage inputs whose gradient differs
+    hooks: tuple[str, ...] = ()  # hook labels whose call counts differ
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Backward-phase wall and thread CPU seconds of one run."""
+
+    wall_s: float
+    cpu_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The result of :func:`gradsafe.pipelining.verify`.
+
+    ``ok`` is True when gradsafe's split equals the fused backward in every
+    order checked: every parameter and stage-input gradient within the
+    tolerance for ``dtype`` with the same None pattern, and every hook,
+    recomputation and custom-Function backward called as often.
+    ``refused`` holds gradsafe's refusal message when it cannot split this
+    model (then ``ok`` is False). ``upstream`` is torch's own split per order.
+    """
+
+    torch_version: str
+    dtype: str
+    stages: int
+    microbatches: int
+    orders: tuple[str, ...]
+    tolerance: float
+    gradsafe: Mapping[str, OrderResult]
+    upstream: Mapping[str, OrderResult]
+    grads: tuple[GradRow, ...]
+    hooks: tuple[HookRow, ...]
+    hazards: Mapping[str, tuple[str, ...]]
+    refused: str | None
+    timing: Mapping[str, Mapping[str, Timing]] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.refused is None and all(r.verdict == EXACT for r in self.gradsafe.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; keys and their meaning are stable across gradsafe versions."""
+        data = dataclasses.asdict(self)
+        data["ok"] = self.ok
+        data["format"] = "gradsafe.verify/1"
+        return _plain(data)
+
+    def __str__(self) -> str:
+        head = (
+            f"gradsafe verify: {self.stages} stage(s), {self.microbatches} microbatch(es), "
+            f"{self.dtype}, torch {self.torch_version}, tolerance {self.tolerance:g} (relative)"
+        )
+        lines = [head, ""]
+        lines += _table(
+            ["W order", "gradsafe", "torch's split"],
+            [
+                [order, _verdict(self.gradsafe[order]), _verdict(self.upstream[order])]
+                for order in self.orders
+            ],
+        )
+        if self.refused is not None:
+            lines += ["", f"gradsafe refuses this model: {self.refused}"]
+        lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
+        lines += [
+            f"  {name}: {', '.join(params[:6])}" + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
+            for name, params in self.hazards.items()
+        ] or ["  none"]
+        shown = [r for r in self.grads if not all(ok for per in r.ok.values() for ok in per.values())]
+        lines += ["", "Gradients that differ from fused (relative error; worst over orders):"]
+        if not shown:
+            lines.append("  none")
+        lines += [] if not shown else _table(
+            ["gradient", "shape", "max|fused|", "gradsafe", "torch's split"],
+            [
+                [
+                    row.name,
+                    "x".join(map(str, row.shape)) or "scalar",
+                    "None" if row.fused_max is None else f"{row.fused_max:.3g}",
+                    _worst(row, "gradsafe"),
+                    _worst(row, "upstream"),
+                ]
+                for row in shown
+            ],
+        )
+        exact = [r for r in self.grads if r not in shown]
+        if exact:
+            worst = max((v for r in exact for per in r.errors.values() for v in per.values() if isinstance(v, float)), default=0.0)
+            lines.append(f"  {len(exact)} gradient(s) equal fused in every run (worst relative error {worst:.2g})")
+        differing = [h for h in self.hooks if any(c != h.fused for m in h.calls.values() for c in m.values())]
+        lines += ["", f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted"]
+        if differing:
+            lines += _table(
+                ["counted", "fused", "gradsafe", "torch's split"],
+                [
+                    [h.label, str(h.fused), _calls(h, "gradsafe"), _calls(h, "upstream")]
+                    for h in differing
+                ],
+            )
+        else:
+            lines.append("  every count equals fused")
+        if self.timing:
+            fused = self.timing["fused"]["fused"]
+            lines += ["", "Backward time (thread CPU / wall, x fused):"]
+            for impl, per in self.timing.items():
+                for order, t in per.items():
+                    lines.append(
+                        f"  {impl:8} {order:12} {t.cpu_s:8.3f} s cpu ({t.cpu_s / max(fused.cpu_s, 1e-9):.2f}x)"
+                        f" {t.wall_s:8.3f} s wall ({t.wall_s / max(fused.wall_s, 1e-9):.2f}x)"
+                    )
+        lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
+        return "\n".join(lines)
+
+
+def _verdict(result: OrderResult) -> str:
+    if result.verdict in (CRASH, REFUSED):
+        return f"{result.verdict}: {result.message.splitlines()[0][:70] if result.message else ''}"
+    parts = [result.verdict]
+    if result.params:
+        parts.append(", ".join(result.params[:4]) + (" ..." if len(result.params) > 4 else ""))
+    if result.hooks:
+        parts.append(f"{len(result.hooks)} hook count(s)")
+    return " ".join(parts)
+
+
+def _worst(row: GradRow, impl: str) -> str:
+    values = list(row.errors.get(impl, {}).values())
+    if any(v == "None pattern" for v in values):
+        return "None pattern!"
+    numbers = [v for v in values if isinstance(v, float)]
+    if not numbers:
+        return "-"
+    bad = any(ok is False for ok in row.ok.get(impl, {}).values())
+    return f"{max(numbers):.2g}" + (" WRONG" if bad else "")
+
+
+def _calls(row: HookRow, impl: str) -> str:
+    return " ".join("-" if c is None else str(c) for c in row.calls.get(impl, {}).values())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    fmt = "  ".join(f"{{:{w}}}" for w in widths)
+    return ["  " + fmt.format(*header).rstrip(), "  " + "  ".join("-" * w for w in widths)] + [
+        "  " + fmt.format(*r).rstrip() for r in rows
+    ]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

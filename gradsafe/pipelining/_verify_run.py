@@ -1,0 +1,281 @@
+"""One run of ``verify``: fresh copies of the stages, microbatches forwarded and backwarded in one order.
+
+The events are those of a zero-bubble schedule on one rank: a microbatch's
+forward through every stage, then its B stage by stage from the last, and
+each W where the order puts it. A fused run does one backward per stage
+instead of B and W. Every run starts from the same seed and forwards in the
+same sequence, so dropout and other random ops draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from gradsafe.pipelining import _verify_hazards
+from gradsafe.pipelining._verify_hooks import HookCounter
+
+__all__ = ["ORDERS", "RunResult", "Split", "events", "run"]
+
+ORDERS: dict[str, str] = {
+    "w-after-b": "each W right after its B",
+    "w-reversed": "every B first, then every W in reverse order",
+    "w-lag-3": "W of microbatch k right after B of microbatch k+3 (DualPipeV's interleaving)",
+}
+_LAG = 3
+
+LossFn = Callable[[Any, int], torch.Tensor]
+_PROJECTION_SEED = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A split-backward implementation: B, W, and the fused stage backward a schedule uses for a
+    first stage whose inputs need no gradient."""
+
+    backward_input: Callable[..., Any]
+    backward_weight: Callable[..., Any]
+    backward: Callable[..., Any]
+
+
+@dataclasses.dataclass
+class RunResult:
+    params: dict[str, torch.Tensor | None]
+    shapes: dict[str, tuple[int, ...]]
+    inputs: dict[str, torch.Tensor | None]  # "stage s input i, microbatch k"
+    counts: collections.Counter[str]
+    error: BaseException | None = None
+    where: str = ""
+    timing: tuple[float, float] = (0.0, 0.0)  # backward wall, thread CPU
+    hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+
+
+def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """(kind, stage, microbatch) in run order; kind F (all stages), B, W, or BW (fused)."""
+    out: list[tuple[str, int, int]] = []
+    pending: list[tuple[int, int]] = []
+    for k in range(microbatches):
+        out.append(("F", 0, k))
+        for s in reversed(range(stages)):
+            if order is None:
+                out.append(("BW", s, k))
+            elif order == "w-after-b":
+                out += [("B", s, k), ("W", s, k)]
+            else:
+                out.append(("B", s, k))
+                pending.append((s, k))
+        if order == "w-lag-3":
+            while pending and pending[0][1] <= k - _LAG:
+                out.append(("W", *pending.pop(0)))
+    if order == "w-reversed":
+        pending.reverse()
+    return out + [("W", s, k) for s, k in pending]
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _stage_input(value: Any, first: bool, dtype: torch.dtype) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if first:
+        if not value.is_floating_point():
+            return value.detach()
+        return value.detach().to(dtype).requires_grad_()
+    return value.detach().requires_grad_(value.requires_grad)
+
+
+def _output_grads(outputs: tuple[Any, ...], dinputs: Sequence[Any]) -> tuple[Any, ...]:
+    """The gradients a stage's outputs receive: the next stage's input gradients, zeros if unused."""
+    grads: list[Any] = []
+    for out, grad in zip(outputs, dinputs):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            grads.append(torch.zeros_like(out) if grad is None else grad)
+        else:
+            grads.append(None)
+    return tuple(grads)
+
+
+def run(
+    modules: Sequence[nn.Module],
+    microbatches: Sequence[tuple[Any, ...]],
+    loss_fn: LossFn | None,
+    dtype: torch.dtype,
+    split: Split | None,
+    order: str | None,
+    seed: int,
+    find_hazards: bool = False,
+) -> RunResult:
+    """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``."""
+    n = len(modules)
+    prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
+    # One deep copy of all stages: a parameter two stages share (tied
+    # embeddings on a V-shaped rank) stays shared.
+    copies = [m.to(dtype) for m in copy.deepcopy(list(modules))]
+    for c in copies:
+        for p in c.parameters():
+            p.grad = None
+    counter = HookCounter()
+    counter.instrument_copies(list(zip(prefixes, modules, copies)))
+    result = RunResult({}, {}, {}, counter.counts)
+    if find_hazards and counter.hooked:
+        result.hazards[_verify_hazards.HOOKS_IN_W] = set(counter.hooked)
+    inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+    outputs: dict[tuple[int, int], Any] = {}
+    dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+    handoffs: dict[tuple[int, int], Any] = {}
+    wall = cpu = 0.0
+    step = ("", 0, 0)
+    try:
+        for step in events(order, n, len(microbatches)):
+            kind, s, k = step
+            if kind == "F":
+                _forward(copies, microbatches[k], k, loss_fn, dtype, counter, inputs, outputs)
+                if find_hazards and k == 0:
+                    for hazard, params in _hazards(copies, prefixes, inputs, outputs).items():
+                        result.hazards.setdefault(hazard, set()).update(params)
+                continue
+            counter.in_backward = True
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
+            _backward(kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs)
+            wall += time.perf_counter() - started
+            cpu += time.thread_time() - started_cpu
+            counter.in_backward = False
+    except Exception as exc:  # noqa: BLE001  (reported: a crash of the split under test is a finding)
+        result.error = exc
+        result.where = f"{step[0]} of stage {step[1]}, microbatch {step[2]}"
+        return result
+    finally:
+        counter.in_backward = False
+    result.timing = (wall, cpu)
+    for s, c in enumerate(copies):
+        for name, p in c.named_parameters():
+            if p.requires_grad:
+                key = prefixes[s] + name
+                result.params[key] = None if p.grad is None else p.grad.detach().clone()
+                result.shapes[key] = tuple(p.shape)
+    for (s, k), grads in sorted(dinputs.items()):
+        for i, (value, grad) in enumerate(zip(inputs[s, k], grads)):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                key = f"stage {s} input {i}, microbatch {k}"
+                result.inputs[key] = None if grad is None else grad.detach().clone()
+                result.shapes[key] = tuple(value.shape)
+    return result
+
+
+def _forward(
+    copies: Sequence[nn.Module],
+    microbatch: tuple[Any, ...],
+    k: int,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype,
+    counter: HookCounter,
+    inputs: dict[tuple[int, int], tuple[Any, ...]],
+    outputs: dict[tuple[int, int], Any],
+) -> None:
+    values = _as_tuple(microbatch)
+    for s, stage in enumerate(copies):
+        args = tuple(_stage_input(v, s == 0, dtype) for v in values)
+        with counter.forward_phase():
+            out = stage(*args)
+            if s == len(copies) - 1 and loss_fn is not None:
+                out = loss_fn(out, k)
+        stop = {get_gradient_edge(a).node for a in args if isinstance(a, torch.Tensor) and a.requires_grad}
+        roots = [t.grad_fn for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        counter.instrument_graph(roots, stop)
+        inputs[s, k], outputs[s, k] = args, out
+        values = _as_tuple(out)
+
+
+def _backward(
+    kind: str,
+    s: int,
+    k: int,
+    copies: Sequence[nn.Module],
+    split: Split | None,
+    args: tuple[Any, ...],
+    out: tuple[Any, ...],
+    grads: tuple[Any, ...] | None,
+    dinputs: dict[tuple[int, int], tuple[Any, ...]],
+    handoffs: dict[tuple[int, int], Any],
+) -> None:
+    if kind == "BW":
+        pairs = [
+            (o, torch.ones_like(o) if grads is None else grads[i])
+            for i, o in enumerate(out)
+            if isinstance(o, torch.Tensor) and o.requires_grad
+        ]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        dinputs[s, k] = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
+        return
+    split = cast(Split, split)  # events() gives B and W only to a split run
+    if kind == "W":
+        handoff = handoffs.pop((s, k))
+        if handoff is _FULL_IN_W:
+            dinputs[s, k] = tuple(split.backward(out, grads, list(args)))
+        else:
+            split.backward_weight(copies[s].parameters(), handoff)
+        return
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        # As the schedule does for a first stage: no B, the whole backward in W's slot.
+        handoffs[s, k] = _FULL_IN_W
+        dinputs[s, k] = tuple(None for _ in args)
+        return
+    dinput, handoffs[s, k] = split.backward_input(out, grads, list(args), copies[s].parameters())
+    dinputs[s, k] = tuple(dinput)
+
+
+_FULL_IN_W = object()
+
+
+def _roots(
+    s: int,
+    k: int,
+    n: int,
+    outputs: dict[tuple[int, int], Any],
+    dinputs: dict[tuple[int, int], tuple[Any, ...]],
+    project: bool,
+) -> tuple[tuple[Any, ...], tuple[Any, ...] | None]:
+    """A stage's outputs (as the schedule passes them: a tuple) and their gradients (None: a loss)."""
+    out = _as_tuple(outputs[s, k])
+    if s < n - 1:
+        return out, _output_grads(out, dinputs[s + 1, k])
+    if not project:
+        return out, None
+    # No loss_fn: a fixed random projection of every output element, i.e.
+    # seeded random output gradients (a loss would hide parameter-only outputs).
+    generator = torch.Generator().manual_seed(_PROJECTION_SEED + k)
+    return out, tuple(
+        torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype).to(o.device)
+        if isinstance(o, torch.Tensor) and o.requires_grad
+        else None
+        for o in out
+    )
+
+
+def _hazards(
+    copies: Sequence[nn.Module],
+    prefixes: Sequence[str],
+    inputs: dict[tuple[int, int], tuple[Any, ...]],
+    outputs: dict[tuple[int, int], Any],
+) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for s, stage in enumerate(copies):
+        names = {id(p): prefixes[s] + name for name, p in stage.named_parameters()}
+        edges = [get_gradient_edge(t) for t in _as_tuple(outputs[s, 0]) if isinstance(t, torch.Tensor) and t.requires_grad]
+        stop = [get_gradient_edge(a).node for a in inputs[s, 0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not stop:
+            continue  # no stage input needs a gradient: the schedule runs this stage's backward fused
+        for hazard, params in _verify_hazards.find(edges, stop, names).items():
+            found.setdefault(hazard, set()).update(params)
+    return found
