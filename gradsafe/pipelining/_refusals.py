@@ -124,6 +124,14 @@ def refuse_engine_error(exc: RuntimeError) -> None:
             DONATED_BUFFERS
             + " (Custom backwards that ran before it in B may have had side effects.)"
         ) from exc
+    if kind == "reentrant_checkpoint":  # on the input side: the weight side is refused before
+        raise SplitBackwardError(
+            "a torch.utils.checkpoint region with use_reentrant=True is on this stage's input "
+            "side; its backward refuses torch.autograd.grad, which B runs it under (and it "
+            "would accumulate the parameter gradients inside it during B). Use "
+            "use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), or "
+            "stage_backward (fused). No parameter or input gradient has changed."
+        ) from exc
     if kind == "multi_grad_hook_all":
         raise SplitBackwardError(
             "a torch.autograd.graph.register_multi_grad_hook(mode='all') on this stage's "

@@ -334,7 +334,7 @@ DONATED_BUFFERS = (
 )
 
 #: The engine failures a split backward turns into errors naming their fix.
-EngineError = Literal["donated_buffer", "multi_grad_hook_all"]
+EngineError = Literal["donated_buffer", "multi_grad_hook_all", "reentrant_checkpoint"]
 
 
 def engine_error(exc: RuntimeError) -> EngineError | None:
@@ -343,11 +343,15 @@ def engine_error(exc: RuntimeError) -> EngineError | None:
     ``"donated_buffer"``: a compiled block's backward ran a second time (or
     with the graph retained) after donating its saved buffers;
     ``"multi_grad_hook_all"``: a ``register_multi_grad_hook(mode="all")``
-    hook ran under ``torch.autograd.grad`` with ``inputs``.
+    hook ran under ``torch.autograd.grad`` with ``inputs``;
+    ``"reentrant_checkpoint"``: a ``checkpoint(use_reentrant=True)`` region's
+    backward refused to run under ``torch.autograd.grad``.
     """
     text = str(exc)
     if "donated_buffer" in text:
         return "donated_buffer"
     if "_will_engine_execute_node" in text:
         return "multi_grad_hook_all"
+    if "use_reentrant=True" in text:
+        return "reentrant_checkpoint"
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,12 +44,12 @@ def _torch_split() -> Split:
     import gradsafe
 
     where = "torch.distributed.pipelining._backward"
-    return Split(
-        *(  # torch's own functions even while gradsafe.patch("pipelining") is active
-            gradsafe.get_original(where, name)  # type: ignore[misc]
-            for name in ("stage_backward_input", "stage_backward_weight", "stage_backward")
-        )
-    )
+    # torch's own functions, even while gradsafe.patch("pipelining") is active.
+    found = [
+        cast(Callable[..., Any], gradsafe.get_original(where, name))
+        for name in ("stage_backward_input", "stage_backward_weight", "stage_backward")
+    ]
+    return Split(*found)
 
 
 def verify(
@@ -162,7 +162,8 @@ def _report(
                 flags = [oks[n][impl][order] for n in names]
                 row_errors.setdefault(impl, {})[order] = _worst_of(values)
                 row_oks.setdefault(impl, {})[order] = None if None in flags else all(flags)
-        maxima = [float(wanted[n].abs().max()) if wanted[n].numel() else 0.0 for n in names if wanted[n] is not None]
+        present = [t for t in (wanted[n] for n in names) if t is not None]
+        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in present]
         rows.append(
             GradRow(row_name, reference.shapes[names[0]], max(maxima) if maxima else None, row_errors, row_oks)
         )
@@ -210,7 +211,7 @@ def _worst_of(values: list[float | str | None]) -> float | str | None:
         return None
     if "None pattern" in values:
         return "None pattern"
-    return max(float(v) for v in values)
+    return max(v for v in values if isinstance(v, float))
 
 
 def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) -> tuple[float | str, bool]:
@@ -233,10 +234,10 @@ def _verdict(
 ) -> OrderResult:
     if res.error is not None:
         kind = REFUSED if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) else CRASH
-        return OrderResult(kind, message=f"{type(res.error).__name__} in {res.where}: {res.error}")
-    wrong = tuple(dict.fromkeys(
-        name.split(", microbatch")[0] for name, per in oks.items() if per[impl][order] is False
-    ))
+        return OrderResult(kind, message=f"{type(res.error).__name__}: {res.error}", where=res.where)
+    wrong = tuple(
+        dict.fromkeys(name.split(", microbatch")[0] for name, per in oks.items() if per[impl][order] is False)
+    )
     counts: collections.Counter[str] = res.counts
     hooks = tuple(sorted(label for label in set(counts) | set(reference.counts) if counts[label] != reference.counts[label]))
     if wrong:

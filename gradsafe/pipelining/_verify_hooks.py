@@ -155,6 +155,7 @@ class HookCounter:
             self._wrap_dict(pre, f"node pre-hook on {node.name()}:")
             if is_python_node(node) and getattr(node, _COUNTED, None) is None:
                 kind = getattr(type(node), "_forward_cls", type(node))
-                node.apply = self.wrap(node.apply, f"custom Function {_name(kind)} backward")  # type: ignore[method-assign]
+                # The engine looks ``apply`` up on the node object: an instance attribute wraps it.
+                node.apply = self.wrap(node.apply, f"custom Function {_name(kind)} backward")  # type: ignore[attr-defined]
                 setattr(node, _COUNTED, True)
             stack.extend(kid for kid, _ in node.next_functions if kid is not None)

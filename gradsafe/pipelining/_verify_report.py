@@ -51,6 +51,7 @@ class OrderResult:
     params: tuple[str, ...] = ()  # parameters / stage inputs whose gradient differs
     hooks: tuple[str, ...] = ()  # hook labels whose call counts differ
     message: str = ""
+    where: str = ""  # the step that raised: "B of stage 0, microbatch 3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,13 @@ class VerifyReport:
                 for order in self.orders
             ],
         )
+        messages = {
+            f"{impl}: {r.message}": None
+            for impl, per in (("gradsafe", self.gradsafe), ("torch's split", self.upstream))
+            for r in per.values()
+            if r.message
+        }
+        lines += [f"  {' '.join(m.split())[:300]}" for m in messages]
         if self.refused is not None:
             lines += ["", f"gradsafe refuses this model: {self.refused}"]
         lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
@@ -166,7 +174,7 @@ class VerifyReport:
 
 def _verdict(result: OrderResult) -> str:
     if result.verdict in (CRASH, REFUSED):
-        return f"{result.verdict}: {result.message.splitlines()[0][:70] if result.message else ''}"
+        return f"{result.verdict} in {result.where}"
     parts = [result.verdict]
     if result.params:
         parts.append(", ".join(result.params[:4]) + (" ..." if len(result.params) > 4 else ""))

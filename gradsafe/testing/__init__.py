@@ -9,6 +9,8 @@
   ``.grad`` cleared, delayed parameters routed through their module) on a
   model, so a custom kernel's weight-gradient return can be tested against
   them without Megatron.
+* :func:`assert_split_exact` asserts that gradsafe's split backward (the B/W
+  of zero-bubble schedules) gives a fused backward's gradients on a model.
 """
 
 from gradsafe.testing._cuda_emulation import (
@@ -17,6 +19,7 @@ from gradsafe.testing._cuda_emulation import (
     EmulatedStream,
     emulate_cuda_graphs,
 )
+from gradsafe.testing._split_exact import assert_split_exact
 from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "EmulatedStream",
     "HookCall",
     "MegatronStyleDDP",
+    "assert_split_exact",
     "emulate_cuda_graphs",
     "module_of",
 ]

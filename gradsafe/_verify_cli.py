@@ -1,0 +1,82 @@
+"""Command line: ``gradsafe verify PACKAGE.MODULE:FACTORY`` (imports torch only when run)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_DTYPES = ("float64", "float32", "bfloat16")
+_ORDERS = ("w-after-b", "w-reversed", "w-lag-3")  # gradsafe.pipelining.ORDERS, without torch
+
+EXACT, NOT_EXACT, REFUSED = 0, 1, 2
+
+
+def add_parser(commands: Any) -> None:
+    verify = commands.add_parser(
+        "verify",
+        help="check on your own model that gradsafe's split backward equals a fused backward",
+        description="Build your stages with FACTORY, a zero-argument callable returning "
+        "(module_or_stages, microbatches) or (module_or_stages, microbatches, loss_fn), and "
+        "compare gradsafe's and torch's split backward (B/W in the W orders zero-bubble "
+        "schedules use) with a fused backward on copies of them. Exit status 0: gradsafe is "
+        "exact; 1: it is not (a gradsafe bug, the table says where); 2: gradsafe refuses to "
+        "split this model (the reason is printed) or the model could not be built or run.",
+    )
+    verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY")
+    verify.add_argument(
+        "--orders", default=",".join(_ORDERS),
+        help=f"comma-separated W orders (default: all): {', '.join(_ORDERS)}",
+    )
+    verify.add_argument("--dtype", choices=_DTYPES, default="float64", help="dtype of the copies (default float64)")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.add_argument("--time", action="store_true", help="also time each run's backward (wall and thread CPU)")
+
+
+def _load(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
+    if os.getcwd() not in sys.path:  # the console script does not put the working directory there
+        sys.path.insert(0, os.getcwd())
+    factory = getattr(importlib.import_module(module_name), attr)
+    built = factory()
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        raise TypeError(
+            f"{spec} returned {type(built).__name__}; it must return (module_or_stages, "
+            "microbatches) or (module_or_stages, microbatches, loss_fn)"
+        )
+    return built
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradsafe.pipelining import verify
+
+    orders = [o for o in args.orders.split(",") if o]
+    try:
+        module, microbatches, *rest = _load(args.factory)
+        report = verify(
+            module,
+            microbatches,
+            rest[0] if rest else None,
+            dtype=getattr(torch, args.dtype),
+            orders=orders,
+            time_backward=args.time,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except Exception as exc:  # noqa: BLE001  (the user's factory or model: report, exit 2)
+        print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return REFUSED
+    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    if report.ok:
+        return EXACT
+    if report.refused is not None and all(r.verdict in ("exact", "refused") for r in report.gradsafe.values()):
+        return REFUSED
+    return NOT_EXACT

@@ -1,0 +1,208 @@
+"""``gradsafe.pipelining.verify`` on models where torch's split is wrong, crashes or skips hooks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradsafe.pipelining import _verify, verify
+from gradsafe.pipelining._hazards import (
+    ParamOnlyOutput,
+    ReusedAroundOther,
+    ReusedLinear,
+    compare_with_fused,
+)
+from gradsafe.pipelining._verify_run import Split
+from gradsafe.testing import assert_split_exact
+
+
+def _batches(count: int = 4, dim: int = 4) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(3, dim, generator=generator),) for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("build", "hazard", "params"),
+    [
+        (ReusedLinear, "H1 nested shared weight", ("lin.weight",)),
+        (ParamOnlyOutput, "H1 parameter-only output", ("prefix",)),
+        (ReusedAroundOther, "H1 overlapping groups", ("outer.bias", "outer.weight")),
+    ],
+)
+def test_report_names_each_h1_variant_its_parameters_and_torchs_verdict(
+    build: Any, hazard: str, params: tuple[str, ...]
+) -> None:
+    torch.manual_seed(0)
+    report = verify(build(), _batches())
+    assert report.ok, str(report)
+    assert report.hazards[hazard] == params
+    # torch's split, judged by the doctor's reproduction of the same hazard on this torch.
+    with torch.random.fork_rng():
+        try:
+            upstream_right = compare_with_fused(build).correct
+        except RuntimeError:  # torch's split crashes on it
+            upstream_right = False
+    verdicts = {r.verdict for r in report.upstream.values()}
+    if upstream_right:
+        assert verdicts == {"right"}, str(report)
+    else:
+        assert "right" not in verdicts, str(report)
+    for result in report.upstream.values():
+        if result.verdict == "WRONG":
+            assert set(result.params) & set(params), str(report)
+        if result.verdict == "crash":
+            assert result.message and result.where.startswith(("B of", "W of")), str(report)
+
+
+def _hooked() -> tuple[nn.Module, list[str]]:
+    torch.manual_seed(0)
+    module = ReusedAroundOther()
+    fired: list[str] = []
+    for name, param in module.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    module.inner.weight.register_hook(lambda g: g * 2)  # changes the gradient: must run exactly once
+    return module, fired
+
+
+def test_post_accumulate_hooks_are_counted_and_named_as_a_hazard() -> None:
+    module, fired = _hooked()
+    report = verify(module, _batches(), orders=("w-after-b",))
+    assert report.ok, str(report)
+    assert report.hazards["H1 hooks in W"] == ("inner.weight", "outer.bias", "outer.weight")
+    counts = {h.label: h for h in report.hooks}
+    label = next(k for k in counts if k.startswith("post-accumulate hook") and k.endswith("on outer.weight"))
+    assert counts[label].fused == 4  # once per microbatch
+    assert counts[label].calls["gradsafe"]["w-after-b"] == 4
+    assert report.upstream["w-after-b"].verdict != "right", str(report)
+    assert len(fired) == 4 * 3 * 2  # the hooks ran on the copies (fused and gradsafe, 4 microbatches)
+
+
+def test_caller_module_grads_hooks_and_rng_are_left_as_they_were() -> None:
+    module, _ = _hooked()
+    module.float()  # verify's copies run in float64: the caller's module must stay float32
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    hooks = {n: (dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {})) for n, p in module.named_parameters()}
+    rng = torch.get_rng_state()
+    verify(module, _batches(), dtype=torch.float64)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, p in module.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name])
+        assert torch.equal(p.grad, torch.full_like(p, 7.0))
+        assert dict(p._backward_hooks or {}) == hooks[name][0]
+        assert dict(p._post_accumulate_grad_hooks or {}) == hooks[name][1]
+
+
+_GRADSAFE_SPLIT = _verify._gradsafe_split
+
+
+def _dropping_split() -> Split:
+    """gradsafe's split whose W then drops ``lin.weight``'s gradient: the check must see it."""
+    real = _GRADSAFE_SPLIT()
+
+    def weight(weights: Any, handoff: Any) -> Any:
+        params = list(weights)
+        result = real.backward_weight(params, handoff)
+        params[0].grad = None
+        return result
+
+    return Split(real.backward_input, weight, real.backward)
+
+
+def test_a_split_that_drops_a_gradient_makes_the_report_not_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_verify, "_gradsafe_split", _dropping_split)
+    torch.manual_seed(0)
+    report = verify(ReusedLinear(), _batches())
+    assert not report.ok
+    assert all(r.verdict == "WRONG" and r.params == ("lin.weight",) for r in report.gradsafe.values())
+    row = next(r for r in report.grads if r.name == "lin.weight")
+    assert row.errors["gradsafe"]["w-after-b"] == "None pattern"
+    assert "lin.weight" in str(report) and "NOT OK" in str(report)
+    with pytest.raises(AssertionError, match="lin.weight"):
+        assert_split_exact(ReusedLinear(), _batches())
+
+
+class _ReentrantOnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda a: torch.tanh(self.lin(a)), x, use_reentrant=True)
+
+
+def test_reentrant_checkpoint_on_the_input_side_is_reported_refused() -> None:
+    report = verify(_ReentrantOnInput(), _batches())
+    assert not report.ok
+    assert report.refused is not None and "use_reentrant=False" in report.refused
+    assert {r.verdict for r in report.gradsafe.values()} == {"refused"}
+    assert "gradsafe refuses this model" in str(report)
+
+
+class _Counted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+class _CheckpointedCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _Counted.apply(x, self.w)
+        return checkpoint(self.mlp, h, use_reentrant=False)
+
+
+def test_recomputations_and_custom_backwards_are_counted_as_fused() -> None:
+    torch.manual_seed(0)
+    report = verify(_CheckpointedCustom(), _batches())
+    assert report.ok, str(report)
+    counts = {h.label: h for h in report.hooks}
+    assert counts["forward of mlp recomputed in backward"].fused == 4
+    custom = next(h for label, h in counts.items() if label.startswith("custom Function") and "_Counted" in label)
+    assert custom.fused == 4
+    assert set(custom.calls["gradsafe"].values()) == {4}
+
+
+def test_stages_in_sequence_with_a_shared_parameter_and_a_loss() -> None:
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight  # tied across two stages of one rank (V shape)
+    report = verify(
+        [nn.Sequential(first, nn.Tanh()), last], _batches(6), lambda out, k: out.pow(2).sum() * (k + 1)
+    )
+    assert report.ok, str(report)
+    names = [r.name for r in report.grads]
+    assert "0.0.weight" in names and "1.weight" in names and "stage 1 input 0" in names
+
+
+def test_json_is_stable_and_serialisable() -> None:
+    torch.manual_seed(0)
+    data = verify(ParamOnlyOutput(), _batches(2), orders=("w-reversed",)).to_json()
+    json.dumps(data)
+    assert data["format"] == "gradsafe.verify/1"
+    assert data["ok"] is True and data["orders"] == ["w-reversed"]
+    assert set(data) >= {"gradsafe", "upstream", "grads", "hooks", "hazards", "refused", "dtype"}
+    assert data["hazards"]["H1 parameter-only output"] == ["prefix"]
+
+
+def test_lower_precision_uses_its_own_tolerance() -> None:
+    torch.manual_seed(0)
+    report = verify(ReusedAroundOther(), _batches(), dtype=torch.float32)
+    assert report.ok, str(report)
+    assert report.dtype == "float32" and report.tolerance > 1e-9
