@@ -9,10 +9,11 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "load_factory", "run"]
 
 _DTYPES = ("float64", "float32", "bfloat16")
 _ORDERS = ("w-after-b", "w-reversed", "w-lag-3")  # gradsafe.pipelining.ORDERS, without torch
+_SCHEDULES = ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble")
 
 EXACT, NOT_EXACT, REFUSED = 0, 1, 2
 
@@ -36,9 +37,17 @@ def add_parser(commands: Any) -> None:
     verify.add_argument("--dtype", choices=_DTYPES, default="float64", help="dtype of the copies (default float64)")
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.add_argument("--time", action="store_true", help="also time each run's backward (wall and thread CPU)")
+    verify.add_argument(
+        "--schedule", choices=_SCHEDULES,
+        help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
+        "with and without gradsafe.patch('pipelining'), against one process (FACTORY must "
+        "return 2 stages per rank; V-shaped placement for ZBV and DualPipeV)",
+    )
+    verify.add_argument("--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks for --schedule (default 2)")
 
 
-def _load(spec: str) -> Any:
+def load_factory(spec: str) -> Any:
+    """Import ``PACKAGE.MODULE:FACTORY`` and call it: (stages, microbatches[, loss_fn])."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
@@ -59,9 +68,12 @@ def run(args: argparse.Namespace) -> int:
 
     from gradsafe.pipelining import verify
 
+    if args.schedule:
+        return _run_schedule(args)
+
     orders = [o for o in args.orders.split(",") if o]
     try:
-        module, microbatches, *rest = _load(args.factory)
+        module, microbatches, *rest = load_factory(args.factory)
         report = verify(
             module,
             microbatches,
@@ -80,3 +92,22 @@ def run(args: argparse.Namespace) -> int:
     if report.refused is not None and all(r.verdict in ("exact", "refused") for r in report.gradsafe.values()):
         return REFUSED
     return NOT_EXACT
+
+
+def _run_schedule(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradsafe.pipelining._verify_schedule import verify_schedule
+
+    try:
+        report = verify_schedule(
+            args.factory, args.schedule, args.ranks, getattr(torch, args.dtype),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except Exception as exc:  # noqa: BLE001  (the user's factory or model: report, exit 2)
+        print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return REFUSED
+    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    if report.ok:
+        return EXACT
+    return REFUSED if report.refused is not None else NOT_EXACT

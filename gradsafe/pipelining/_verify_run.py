@@ -23,7 +23,7 @@ from torch.autograd.graph import get_gradient_edge
 from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._verify_hooks import HookCounter
 
-__all__ = ["ORDERS", "RunResult", "Split", "events", "run"]
+__all__ = ["ORDERS", "RunResult", "Split", "events", "projection_loss", "run"]
 
 ORDERS: dict[str, str] = {
     "w-after-b": "each W right after its B",
@@ -84,13 +84,13 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _stage_input(value: Any, first: bool, dtype: torch.dtype) -> Any:
+def _stage_input(value: Any, first: bool, alone: bool, dtype: torch.dtype) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if first:
         if not value.is_floating_point():
             return value.detach()
-        return value.detach().to(dtype).requires_grad_()
+        return value.detach().to(dtype).requires_grad_(alone)
     return value.detach().requires_grad_(value.requires_grad)
 
 
@@ -185,7 +185,9 @@ def _forward(
 ) -> None:
     values = _as_tuple(microbatch)
     for s, stage in enumerate(copies):
-        args = tuple(_stage_input(v, s == 0, dtype) for v in values)
+        # A single stage's inputs get gradients (its B is what is checked); the
+        # first of several stages gets none, as in a schedule (which runs it fused).
+        args = tuple(_stage_input(v, s == 0, len(copies) == 1, dtype) for v in values)
         with counter.forward_phase():
             out = stage(*args)
             if s == len(copies) - 1 and loss_fn is not None:
@@ -254,13 +256,26 @@ def _roots(
         return out, None
     # No loss_fn: a fixed random projection of every output element, i.e.
     # seeded random output gradients (a loss would hide parameter-only outputs).
+    return out, _projection(out, k)
+
+
+def _projection(out: tuple[Any, ...], k: int) -> tuple[torch.Tensor | None, ...]:
     generator = torch.Generator().manual_seed(_PROJECTION_SEED + k)
-    return out, tuple(
+    return tuple(
         torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.dtype).to(o.device)
         if isinstance(o, torch.Tensor) and o.requires_grad
         else None
         for o in out
     )
+
+
+def projection_loss(output: Any, k: int) -> torch.Tensor:
+    """The default loss as a scalar (a schedule needs one): the projection's output gradients."""
+    out = _as_tuple(output)
+    terms = [(o * w).sum() for o, w in zip(out, _projection(out, k)) if w is not None]
+    if not terms:
+        raise ValueError("the last stage's output has no tensor requiring grad to project to a loss")
+    return torch.stack(terms).sum()
 
 
 def _hazards(

@@ -42,3 +42,47 @@ def reentrant_on_input() -> tuple[nn.Module, list[Any]]:
 
 def not_a_tuple() -> nn.Module:
     return nn.Linear(4, 4)
+
+
+class _TiedStage(nn.Module):
+    """H1's overlapping groups plus the outer weight used again as a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.outer(torch.tanh(self.inner(self.outer(x)))))
+        return h + torch.tanh(h @ self.outer.weight.t())
+
+
+def four_stages() -> tuple[list[nn.Module], list[Any], Any]:
+    """Four stages for two ranks, the first and last sharing a weight (one rank holds both in a V)."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [_TiedStage() for _ in range(4)]
+    stages[3].inner.weight = stages[0].inner.weight
+    return stages, _batches(4), lambda out, k: out.pow(2).mean() * (k + 1)
+
+
+class _PrefixStage(nn.Module):
+    """Sends on a parameter-only output (a learned prefix) beside its activation."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.last = last
+        self.lin = nn.Linear(4, 4)
+        self.prefix = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> Any:
+        h = torch.tanh(self.lin(x)) + extra
+        if self.last:
+            return h * torch.tanh(self.prefix)
+        return h, torch.tanh(self.prefix)
+
+
+def four_prefix_stages() -> tuple[list[nn.Module], list[Any]]:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(4)]
+    return [_PrefixStage(last=i == 3) for i in range(4)], batches

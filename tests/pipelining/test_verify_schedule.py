@@ -1,0 +1,59 @@
+"""``gradsafe verify --schedule``: torch's real schedules on 2 gloo ranks agree with the single-process mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _ranks import worker_env
+from _verify_factories import four_prefix_stages
+
+from gradsafe.pipelining import verify
+from gradsafe.pipelining._verify_schedule import ScheduleReport, verify_schedule
+
+HERE = Path(__file__).parent
+SPEC = "_verify_factories:four_prefix_stages"
+
+
+def _skip_if_gloo_cannot_run_v_shapes(results: dict[str, dict[str, dict[str, str]]]) -> None:
+    for per in results.values():
+        for result in per.values():
+            if "Pair is not connected" in result["message"]:
+                pytest.skip(f"this torch cannot run a V-shaped schedule on gloo: {result['message'][:200]}")
+
+
+def _single_process_wrong() -> set[str]:
+    report = verify(*four_prefix_stages())
+    assert report.ok, str(report)
+    return {p for r in report.upstream.values() for p in r.params}
+
+
+def _check_agrees(data: dict, wrong_in_one_process: set[str]) -> None:  # type: ignore[type-arg]
+    _skip_if_gloo_cannot_run_v_shapes(data["results"])
+    assert data["ok"], data
+    assert {r["verdict"] for r in data["results"]["gradsafe"].values()} == {"right"}
+    wrong_on_ranks = {p for r in data["results"]["upstream"].values() for p in r["params"]}
+    assert wrong_in_one_process == {"1.prefix", "2.prefix"}
+    assert wrong_on_ranks == wrong_in_one_process
+
+
+def test_zbv_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(HERE)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsafe", "verify", SPEC, "--schedule", "ZBVZeroBubble", "--ranks", "2", "--json"],
+        env=worker_env(), capture_output=True, text=True, timeout=400, check=False,
+    )
+    data = json.loads(proc.stdout)
+    _check_agrees(data, _single_process_wrong())
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(HERE)
+    report = verify_schedule(SPEC, "DualPipeV", 2)
+    assert isinstance(report, ScheduleReport)
+    _check_agrees(report.to_json(), _single_process_wrong())
+    assert "rank" in str(report) and "OK" in str(report)
