@@ -27,7 +27,8 @@ def add_parser(commands: Any) -> None:
         "compare gradsafe's and torch's split backward (B/W in the W orders zero-bubble "
         "schedules use) with a fused backward on copies of them. Exit status 0: gradsafe is "
         "exact; 1: it is not (a gradsafe bug, the table says where); 2: gradsafe refuses to "
-        "split this model (the reason is printed) or the model could not be built or run.",
+        "split this model (the reason is printed) or the model could not be built or run. "
+        "Runs with one intra-op thread unless OMP_NUM_THREADS is set.",
     )
     verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY")
     verify.add_argument(
@@ -68,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
     from gradsafe.pipelining import verify
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        # verify runs many small ops several times over: intra-op threads only
+        # spin on them (a 12-block d=128 model: 14 s with one thread, 100 s
+        # with two on a loaded 2-core machine). OMP_NUM_THREADS overrides.
+        torch.set_num_threads(1)
     if args.schedule:
         return _run_schedule(args)
 
