@@ -13,7 +13,7 @@ EXACT = "exact"  # gradsafe: equal to fused within tolerance
 RIGHT = "right"  # upstream: equal to fused
 WRONG = "WRONG"
 CRASH = "crash"
-HOOKS = "hooks differ"
+HOOKS = "counts differ"
 REFUSED = "refused"
 
 
@@ -179,7 +179,7 @@ def _verdict(result: OrderResult) -> str:
     if result.params:
         parts.append(", ".join(result.params[:4]) + (" ..." if len(result.params) > 4 else ""))
     if result.hooks:
-        parts.append(f"{len(result.hooks)} hook count(s)")
+        parts.append(f"({len(result.hooks)} count(s))")
     return " ".join(parts)
 
 
