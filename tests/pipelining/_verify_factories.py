@@ -86,3 +86,10 @@ def four_prefix_stages() -> tuple[list[nn.Module], list[Any]]:
     generator = torch.Generator().manual_seed(5)
     batches = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(4)]
     return [_PrefixStage(last=i == 3) for i in range(4)], batches
+
+
+def eight_prefix_stages() -> tuple[list[nn.Module], list[Any]]:
+    """``four_prefix_stages`` for four ranks."""
+    stages, batches = four_prefix_stages()
+    torch.manual_seed(1)
+    return [_PrefixStage(last=i == 7) for i in range(8)], batches

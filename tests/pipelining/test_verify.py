@@ -66,6 +66,7 @@ def _hooked() -> tuple[nn.Module, list[str]]:
     for name, param in module.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
     module.inner.weight.register_hook(lambda g: g * 2)  # changes the gradient: must run exactly once
+    module.inner.register_full_backward_hook(lambda m, gi, go: fired.append("inner module"))
     return module, fired
 
 
@@ -78,8 +79,11 @@ def test_post_accumulate_hooks_are_counted_and_named_as_a_hazard() -> None:
     label = next(k for k in counts if k.startswith("post-accumulate hook") and k.endswith("on outer.weight"))
     assert counts[label].fused == 4  # once per microbatch
     assert counts[label].calls["gradsafe"]["w-after-b"] == 4
+    module_hook = next(k for k in counts if k.startswith("module backward hook on inner:"))
+    assert counts[module_hook].fused == 4 and counts[module_hook].calls["gradsafe"]["w-after-b"] == 4
     assert report.upstream["w-after-b"].verdict != "right", str(report)
-    assert len(fired) == 4 * 3 * 2  # the hooks ran on the copies (fused and gradsafe, 4 microbatches)
+    # The hooks ran on the copies: fused and gradsafe, 4 microbatches, 3 parameters and the module.
+    assert fired.count("outer.weight") >= 8 and fired.count("inner module") >= 8
 
 
 def test_caller_module_grads_hooks_and_rng_are_left_as_they_were() -> None:
@@ -89,9 +93,11 @@ def test_caller_module_grads_hooks_and_rng_are_left_as_they_were() -> None:
         p.grad = torch.full_like(p, 7.0)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     hooks = {n: (dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {})) for n, p in module.named_parameters()}
+    module_hooks = dict(module.inner._backward_hooks)
     rng = torch.get_rng_state()
     verify(module, _batches(), dtype=torch.float64)
     assert torch.equal(torch.get_rng_state(), rng)
+    assert dict(module.inner._backward_hooks) == module_hooks
     for name, p in module.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, before[name])
         assert torch.equal(p.grad, torch.full_like(p, 7.0))
@@ -206,3 +212,21 @@ def test_lower_precision_uses_its_own_tolerance() -> None:
     report = verify(ReusedAroundOther(), _batches(), dtype=torch.float32)
     assert report.ok, str(report)
     assert report.dtype == "float32" and report.tolerance > 1e-9
+
+
+def test_b_refuses_a_reentrant_checkpoint_on_the_input_side_and_changes_nothing() -> None:
+    from gradsafe.pipelining import SplitBackwardError, stage_backward_input
+
+    module = _ReentrantOnInput()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = module(x)
+    with pytest.raises(SplitBackwardError, match="use_reentrant=True is on this stage's input side"):
+        stage_backward_input([out], [torch.randn(3, 4)], [x], module.parameters())
+    assert x.grad is None and all(p.grad is None for p in module.parameters())
+
+
+def test_hazard_scan_tells_nested_from_overlapping_uses() -> None:
+    torch.manual_seed(0)
+    assert verify(ReusedLinear(bias=True), _batches(1), orders=("w-after-b",)).hazards == {
+        "H1 nested shared weight": ("lin.bias", "lin.weight")
+    }
