@@ -35,6 +35,8 @@ _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, to
 
 
 def _gradsafe_split() -> Split:
+    """The split under test. Looked up at each run, so a test can put a broken W in its place
+    (tests/pipelining/test_verify.py does) and see the check fail."""
     from gradsafe.pipelining import _backward
 
     return Split(_backward.stage_backward_input, _backward.stage_backward_weight, _backward.stage_backward)
