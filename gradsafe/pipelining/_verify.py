@@ -107,13 +107,10 @@ def verify(
     if not batches:
         raise ValueError("microbatches is empty: pass at least one microbatch.")
     say = progress or (lambda line: None)
-    devices = sorted({p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"})
 
     def one(split: Split | None, order: str | None, label: str) -> RunResult:
         say(f"verify: {label} ...")
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_SEED)
-            return _verify_run.run(modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None)
+        return _verify_run.run(modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None)
 
     if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
         one(None, None, "fused backward (warm-up for timing)")

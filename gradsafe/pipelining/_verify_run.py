@@ -115,7 +115,25 @@ def run(
     seed: int,
     find_hazards: bool = False,
 ) -> RunResult:
-    """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``."""
+    """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``, from RNG seed ``seed``.
+
+    The caller's RNG state (CPU, and the CUDA devices the modules are on) is restored after.
+    """
+    devices = sorted({p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards)
+
+
+def _run(
+    modules: Sequence[nn.Module],
+    microbatches: Sequence[tuple[Any, ...]],
+    loss_fn: LossFn | None,
+    dtype: torch.dtype,
+    split: Split | None,
+    order: str | None,
+    find_hazards: bool,
+) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
     # One deep copy of all stages: a parameter two stages share (tied
