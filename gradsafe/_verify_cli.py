@@ -32,19 +32,27 @@ def add_parser(commands: Any) -> None:
     )
     verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY")
     verify.add_argument(
-        "--orders", default=",".join(_ORDERS),
+        "--orders",
+        default=",".join(_ORDERS),
         help=f"comma-separated W orders (default: all): {', '.join(_ORDERS)}",
     )
-    verify.add_argument("--dtype", choices=_DTYPES, default="float64", help="dtype of the copies (default float64)")
-    verify.add_argument("--json", action="store_true", help="print the report as JSON")
-    verify.add_argument("--time", action="store_true", help="also time each run's backward (wall and thread CPU)")
     verify.add_argument(
-        "--schedule", choices=_SCHEDULES,
+        "--dtype", choices=_DTYPES, default="float64", help="dtype of the copies (default float64)"
+    )
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.add_argument(
+        "--time", action="store_true", help="also time each run's backward (wall and thread CPU)"
+    )
+    verify.add_argument(
+        "--schedule",
+        choices=_SCHEDULES,
         help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
         "with and without gradsafe.patch('pipelining'), against one process (FACTORY must "
         "return 2 stages per rank; V-shaped placement for ZBV and DualPipeV)",
     )
-    verify.add_argument("--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks for --schedule (default 2)")
+    verify.add_argument(
+        "--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks for --schedule (default 2)"
+    )
 
 
 def load_factory(spec: str) -> Any:
@@ -89,13 +97,15 @@ def run(args: argparse.Namespace) -> int:
             time_backward=args.time,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
-    except Exception as exc:  # noqa: BLE001  (the user's factory or model: report, exit 2)
+    except Exception as exc:  # the user's factory or model: report, exit 2
         print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
         return REFUSED
     print(json.dumps(report.to_json(), indent=2) if args.json else report)
     if report.ok:
         return EXACT
-    if report.refused is not None and all(r.verdict in ("exact", "refused") for r in report.gradsafe.values()):
+    if report.refused is not None and all(
+        r.verdict in ("exact", "refused") for r in report.gradsafe.values()
+    ):
         return REFUSED
     return NOT_EXACT
 
@@ -107,10 +117,13 @@ def _run_schedule(args: argparse.Namespace) -> int:
 
     try:
         report = verify_schedule(
-            args.factory, args.schedule, args.ranks, getattr(torch, args.dtype),
+            args.factory,
+            args.schedule,
+            args.ranks,
+            getattr(torch, args.dtype),
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
-    except Exception as exc:  # noqa: BLE001  (the user's factory or model: report, exit 2)
+    except Exception as exc:  # the user's factory or model: report, exit 2
         print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
         return REFUSED
     print(json.dumps(report.to_json(), indent=2) if args.json else report)

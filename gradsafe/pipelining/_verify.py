@@ -39,7 +39,9 @@ def _gradsafe_split() -> Split:
     (tests/pipelining/test_verify.py does) and see the check fail."""
     from gradsafe.pipelining import _backward
 
-    return Split(_backward.stage_backward_input, _backward.stage_backward_weight, _backward.stage_backward)
+    return Split(
+        _backward.stage_backward_input, _backward.stage_backward_weight, _backward.stage_backward
+    )
 
 
 def _torch_split() -> Split:
@@ -110,7 +112,9 @@ def verify(
 
     def one(split: Split | None, order: str | None, label: str) -> RunResult:
         say(f"verify: {label} ...")
-        return _verify_run.run(modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None)
+        return _verify_run.run(
+            modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None
+        )
 
     if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
         one(None, None, "fused backward (warm-up for timing)")
@@ -145,7 +149,9 @@ def _report(
         for order, res in per.items():
             got = {**res.params, **res.inputs}
             for name, want in wanted.items():
-                err, ok = (None, None) if res.error is not None else _compare(want, got.get(name), tol)
+                err, ok = (
+                    (None, None) if res.error is not None else _compare(want, got.get(name), tol)
+                )
                 errors[name].setdefault(impl, {})[order] = err
                 oks[name].setdefault(impl, {})[order] = ok
     # One row per stage input: the worst over microbatches.
@@ -164,14 +170,25 @@ def _report(
         present = [t for t in (wanted[n] for n in names) if t is not None]
         maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in present]
         rows.append(
-            GradRow(row_name, reference.shapes[names[0]], max(maxima) if maxima else None, row_errors, row_oks)
+            GradRow(
+                row_name,
+                reference.shapes[names[0]],
+                max(maxima) if maxima else None,
+                row_errors,
+                row_oks,
+            )
         )
-    labels = sorted(set(reference.counts).union(*(r.counts for per in runs.values() for r in per.values())))
+    labels = sorted(
+        set(reference.counts).union(*(r.counts for per in runs.values() for r in per.values()))
+    )
     hooks = tuple(
         HookRow(
             label,
             reference.counts[label],
-            {impl: {o: None if r.error else r.counts[label] for o, r in per.items()} for impl, per in runs.items()},
+            {
+                impl: {o: None if r.error else r.counts[label] for o, r in per.items()}
+                for impl, per in runs.items()
+            },
         )
         for label in labels
     )
@@ -186,7 +203,8 @@ def _report(
     timing = None
     if timed:
         timing = {"fused": {"fused": Timing(*reference.timing)}} | {
-            impl: {o: Timing(*r.timing) for o, r in per.items() if r.error is None} for impl, per in runs.items()
+            impl: {o: Timing(*r.timing) for o, r in per.items() if r.error is None}
+            for impl, per in runs.items()
         }
     return VerifyReport(
         torch_version=torch.__version__,
@@ -213,7 +231,9 @@ def _worst_of(values: list[float | str | None]) -> float | str | None:
     return max(v for v in values if isinstance(v, float))
 
 
-def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) -> tuple[float | str, bool]:
+def _compare(
+    want: torch.Tensor | None, got: torch.Tensor | None, tol: float
+) -> tuple[float | str, bool]:
     if (want is None) != (got is None):
         return "None pattern", False
     if want is None or got is None:
@@ -229,16 +249,32 @@ def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) ->
 
 
 def _verdict(
-    impl: str, order: str, res: RunResult, reference: RunResult, oks: dict[str, dict[str, dict[str, bool | None]]]
+    impl: str,
+    order: str,
+    res: RunResult,
+    reference: RunResult,
+    oks: dict[str, dict[str, dict[str, bool | None]]],
 ) -> OrderResult:
     if res.error is not None:
-        kind = REFUSED if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) else CRASH
-        return OrderResult(kind, message=f"{type(res.error).__name__}: {res.error}", where=res.where)
+        kind = (
+            REFUSED if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) else CRASH
+        )
+        return OrderResult(
+            kind, message=f"{type(res.error).__name__}: {res.error}", where=res.where
+        )
     wrong = tuple(
-        dict.fromkeys(name.split(", microbatch")[0] for name, per in oks.items() if per[impl][order] is False)
+        dict.fromkeys(
+            name.split(", microbatch")[0] for name, per in oks.items() if per[impl][order] is False
+        )
     )
     counts: collections.Counter[str] = res.counts
-    hooks = tuple(sorted(label for label in set(counts) | set(reference.counts) if counts[label] != reference.counts[label]))
+    hooks = tuple(
+        sorted(
+            label
+            for label in set(counts) | set(reference.counts)
+            if counts[label] != reference.counts[label]
+        )
+    )
     if wrong:
         return OrderResult(WRONG, wrong, hooks)
     if hooks:

@@ -32,7 +32,9 @@ def find(
     leaf_name = {node: names.get(id(t), "?") for node, t in graph.leaves.items()}
     reach: dict[Node, frozenset[str]] = {}
     for node in reversed(graph.weight_nodes):  # children first
-        reach[node] = frozenset().union(*(_reached(kid, leaf_name, reach) for kid, _ in node.next_functions))
+        reach[node] = frozenset().union(
+            *(_reached(kid, leaf_name, reach) for kid, _ in node.next_functions)
+        )
     found: dict[str, set[str]] = {}
     for i in graph.weight_only_outputs:
         params = _reached(outputs[i].node, leaf_name, reach)
@@ -41,7 +43,9 @@ def find(
 
     sites = [item.node for item in graph.intermediates]
     group = {
-        item.node: frozenset().union(*(_reached(e.node, leaf_name, reach) for e in item.weight_edges))
+        item.node: frozenset().union(
+            *(_reached(e.node, leaf_name, reach) for e in item.weight_edges)
+        )
         for item in graph.intermediates
     }
     below = _intermediates_below(outputs, set(input_nodes), {n: i for i, n in enumerate(sites)})
@@ -64,7 +68,9 @@ def find(
     return found
 
 
-def _reached(node: Node | None, leaf_name: Mapping[Node, str], reach: Mapping[Node, frozenset[str]]) -> frozenset[str]:
+def _reached(
+    node: Node | None, leaf_name: Mapping[Node, str], reach: Mapping[Node, frozenset[str]]
+) -> frozenset[str]:
     if node is None:
         return frozenset()
     if node in leaf_name:
@@ -72,7 +78,9 @@ def _reached(node: Node | None, leaf_name: Mapping[Node, str], reach: Mapping[No
     return reach.get(node, frozenset())
 
 
-def _intermediates_below(outputs: Sequence[GradientEdge], inputs: set[Node], index: Mapping[Node, int]) -> dict[Node, int]:
+def _intermediates_below(
+    outputs: Sequence[GradientEdge], inputs: set[Node], index: Mapping[Node, int]
+) -> dict[Node, int]:
     """For every node: a bitset of the intermediates (by ``index``) reachable below it."""
     below: dict[Node, int] = {}
     for edge in outputs:
@@ -81,7 +89,9 @@ def _intermediates_below(outputs: Sequence[GradientEdge], inputs: set[Node], ind
             node, done = stack.pop()
             if node in below:
                 continue
-            kids = [k for k, _ in node.next_functions if k is not None] if node not in inputs else []
+            kids = (
+                [k for k, _ in node.next_functions if k is not None] if node not in inputs else []
+            )
             if done:
                 bits = 0
                 for kid in kids:

@@ -111,7 +111,12 @@ class HookCounter:
                     )
                 self._keep.append(node)
                 if any(
-                    (param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None), post, pre)
+                    (
+                        param._backward_hooks,
+                        getattr(param, "_post_accumulate_grad_hooks", None),
+                        post,
+                        pre,
+                    )
                 ):
                     self.hooked.add(where)
             for name, module in copy.named_modules():

@@ -123,32 +123,55 @@ class VerifyReport:
             lines += ["", f"gradsafe refuses this model: {self.refused}"]
         lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
         lines += [
-            f"  {name}: {', '.join(params[:6])}" + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
+            f"  {name}: {', '.join(params[:6])}"
+            + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
             for name, params in self.hazards.items()
         ] or ["  none"]
-        shown = [r for r in self.grads if not all(ok for per in r.ok.values() for ok in per.values())]
+        shown = [
+            r for r in self.grads if not all(ok for per in r.ok.values() for ok in per.values())
+        ]
         lines += ["", "Gradients that differ from fused (relative error; worst over orders):"]
         if not shown:
             lines.append("  none")
-        lines += [] if not shown else _table(
-            ["gradient", "shape", "max|fused|", "gradsafe", "torch's split"],
-            [
+        lines += (
+            []
+            if not shown
+            else _table(
+                ["gradient", "shape", "max|fused|", "gradsafe", "torch's split"],
                 [
-                    row.name,
-                    "x".join(map(str, row.shape)) or "scalar",
-                    "None" if row.fused_max is None else f"{row.fused_max:.3g}",
-                    _worst(row, "gradsafe"),
-                    _worst(row, "upstream"),
-                ]
-                for row in shown
-            ],
+                    [
+                        row.name,
+                        "x".join(map(str, row.shape)) or "scalar",
+                        "None" if row.fused_max is None else f"{row.fused_max:.3g}",
+                        _worst(row, "gradsafe"),
+                        _worst(row, "upstream"),
+                    ]
+                    for row in shown
+                ],
+            )
         )
         exact = [r for r in self.grads if r not in shown]
         if exact:
-            worst = max((v for r in exact for per in r.errors.values() for v in per.values() if isinstance(v, float)), default=0.0)
-            lines.append(f"  {len(exact)} gradient(s) equal fused in every run (worst relative error {worst:.2g})")
-        differing = [h for h in self.hooks if any(c != h.fused for m in h.calls.values() for c in m.values())]
-        lines += ["", f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted"]
+            worst = max(
+                (
+                    v
+                    for r in exact
+                    for per in r.errors.values()
+                    for v in per.values()
+                    if isinstance(v, float)
+                ),
+                default=0.0,
+            )
+            lines.append(
+                f"  {len(exact)} gradient(s) equal fused in every run (worst relative error {worst:.2g})"
+            )
+        differing = [
+            h for h in self.hooks if any(c != h.fused for m in h.calls.values() for c in m.values())
+        ]
+        lines += [
+            "",
+            f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted",
+        ]
         if differing:
             lines += _table(
                 ["counted", "fused", "gradsafe", "torch's split"],

@@ -119,7 +119,9 @@ def run(
 
     The caller's RNG state (CPU, and the CUDA devices the modules are on) is restored after.
     """
-    devices = sorted({p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"})
+    devices = sorted(
+        {p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"}
+    )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards)
@@ -169,7 +171,7 @@ def _run(
             wall += time.perf_counter() - started
             cpu += time.thread_time() - started_cpu
             counter.in_backward = False
-    except Exception as exc:  # noqa: BLE001  (reported: a crash of the split under test is a finding)
+    except Exception as exc:  # reported: a crash of the split under test is a finding
         result.error = exc
         result.where = f"{step[0]} of stage {step[1]}, microbatch {step[2]}"
         return result
@@ -210,8 +212,16 @@ def _forward(
             out = stage(*args)
             if s == len(copies) - 1 and loss_fn is not None:
                 out = loss_fn(out, k)
-        stop = {get_gradient_edge(a).node for a in args if isinstance(a, torch.Tensor) and a.requires_grad}
-        roots = [t.grad_fn for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stop = {
+            get_gradient_edge(a).node
+            for a in args
+            if isinstance(a, torch.Tensor) and a.requires_grad
+        }
+        roots = [
+            t.grad_fn
+            for t in _as_tuple(out)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
         counter.instrument_graph(roots, stop)
         inputs[s, k], outputs[s, k] = args, out
         values = _as_tuple(out)
@@ -292,7 +302,9 @@ def projection_loss(output: Any, k: int) -> torch.Tensor:
     out = _as_tuple(output)
     terms = [(o * w).sum() for o, w in zip(out, _projection(out, k)) if w is not None]
     if not terms:
-        raise ValueError("the last stage's output has no tensor requiring grad to project to a loss")
+        raise ValueError(
+            "the last stage's output has no tensor requiring grad to project to a loss"
+        )
     return torch.stack(terms).sum()
 
 
@@ -305,8 +317,16 @@ def _hazards(
     found: dict[str, set[str]] = {}
     for s, stage in enumerate(copies):
         names = {id(p): prefixes[s] + name for name, p in stage.named_parameters()}
-        edges = [get_gradient_edge(t) for t in _as_tuple(outputs[s, 0]) if isinstance(t, torch.Tensor) and t.requires_grad]
-        stop = [get_gradient_edge(a).node for a in inputs[s, 0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        edges = [
+            get_gradient_edge(t)
+            for t in _as_tuple(outputs[s, 0])
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        stop = [
+            get_gradient_edge(a).node
+            for a in inputs[s, 0]
+            if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
         if not stop:
             continue  # no stage input needs a gradient: the schedule runs this stage's backward fused
         for hazard, params in _verify_hazards.find(edges, stop, names).items():

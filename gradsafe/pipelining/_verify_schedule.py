@@ -67,7 +67,10 @@ class ScheduleReport:
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["results"] = {m: {str(r): dataclasses.asdict(v) for r, v in per.items()} for m, per in self.results.items()}
+        data["results"] = {
+            m: {str(r): dataclasses.asdict(v) for r, v in per.items()}
+            for m, per in self.results.items()
+        }
         data["ok"] = self.ok
         data["refused"] = self.refused
         data["format"] = "gradsafe.verify-schedule/1"
@@ -85,12 +88,22 @@ class ScheduleReport:
         for rank in range(self.ranks):
             cells = [_cell(self.results[m][rank]) for m in _MODES]
             lines.append(f"  {rank:<4}  {cells[0]:<28}  {cells[1]}")
-        messages = {f"{m} rank {r}: {v.message}": None for m in _MODES for r, v in self.results[m].items() if v.message}
+        messages = {
+            f"{m} rank {r}: {v.message}": None
+            for m in _MODES
+            for r, v in self.results[m].items()
+            if v.message
+        }
         lines += [f"  {' '.join(msg.split())[:300]}" for msg in messages]
-        wrong = {n: e for n, e in self.errors.items() if any(_bad(v, self.tolerance) for v in e.values())}
+        wrong = {
+            n: e for n, e in self.errors.items() if any(_bad(v, self.tolerance) for v in e.values())
+        }
         if wrong:
             lines += ["", "  gradient" + " " * 30 + "gradsafe      torch's split"]
-            lines += [f"  {n:<38}  {_fmt(e.get('gradsafe')):<12}  {_fmt(e.get('upstream'))}" for n, e in wrong.items()]
+            lines += [
+                f"  {n:<38}  {_fmt(e.get('gradsafe')):<12}  {_fmt(e.get('upstream'))}"
+                for n, e in wrong.items()
+            ]
         lines += ["", "OK: every rank's gradients equal the reference." if self.ok else "NOT OK."]
         return "\n".join(lines)
 
@@ -150,8 +163,13 @@ def verify_schedule(
             f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
         )
     batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
-    if any(not isinstance(t, torch.Tensor) for b in batches for t in b) or len({b[0].shape[0] for b in batches}) != 1:
-        raise ValueError("--schedule needs microbatches of tensors with one batch size (dim 0): the schedule re-splits them")
+    if (
+        any(not isinstance(t, torch.Tensor) for b in batches for t in b)
+        or len({b[0].shape[0] for b in batches}) != 1
+    ):
+        raise ValueError(
+            "--schedule needs microbatches of tensors with one batch size (dim 0): the schedule re-splits them"
+        )
     loss = rest[0] if rest else _verify_run.projection_loss
     where = placement(schedule, ranks)
     # Reference: stages on one rank share what they share; across ranks nothing is shared.
@@ -162,12 +180,17 @@ def verify_schedule(
     say("verify --schedule: single-process reference ...")
     reference = _verify_run.run(ordered, batches, loss, dtype, None, None, 0)
     if reference.error is not None:
-        raise RuntimeError(f"the fused reference backward failed ({reference.where}): {reference.error!r}")
+        raise RuntimeError(
+            f"the fused reference backward failed ({reference.where}): {reference.error!r}"
+        )
     results: dict[str, dict[int, RankResult]] = {}
     errors: dict[str, dict[str, float | str | None]] = {}
     tol = _TOLERANCE[dtype]
     with tempfile.TemporaryDirectory() as workdir:
-        torch.save({"states": [m.state_dict() for m in stages], "microbatches": batches}, Path(workdir) / "init.pt")
+        torch.save(
+            {"states": [m.state_dict() for m in stages], "microbatches": batches},
+            Path(workdir) / "init.pt",
+        )
         for mode in _MODES:
             say(f"verify --schedule: {schedule} on {ranks} gloo ranks, {mode} ...")
             outs = _launch(mode, spec, schedule, ranks, dtype, workdir)
@@ -188,7 +211,9 @@ def verify_schedule(
     )
 
 
-def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) -> tuple[float | str, bool]:
+def _compare(
+    want: torch.Tensor | None, got: torch.Tensor | None, tol: float
+) -> tuple[float | str, bool]:
     if (want is None) != (got is None):
         return "None pattern", False
     if want is None or got is None:
@@ -199,14 +224,29 @@ def _compare(want: torch.Tensor | None, got: torch.Tensor | None, tol: float) ->
     return rel, rel <= tol
 
 
-def _launch(mode: str, spec: str, schedule: str, ranks: int, dtype: torch.dtype, workdir: str) -> list[dict[str, Any]]:
+def _launch(
+    mode: str, spec: str, schedule: str, ranks: int, dtype: torch.dtype, workdir: str
+) -> list[dict[str, Any]]:
     port = str(_free_port())
     dtype_name = str(dtype).removeprefix("torch.")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "gradsafe.pipelining._verify_schedule_worker", str(r), port, str(ranks),
-             schedule, mode, spec, dtype_name, workdir],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "gradsafe.pipelining._verify_schedule_worker",
+                str(r),
+                port,
+                str(ranks),
+                schedule,
+                mode,
+                spec,
+                dtype_name,
+                workdir,
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         for r in range(ranks)
     ]
@@ -227,5 +267,7 @@ def _launch(mode: str, spec: str, schedule: str, ranks: int, dtype: torch.dtype,
             path.unlink()
         else:
             tail = logs[r][-1500:] if r < len(logs) else ""
-            outs.append({"crash": f"rank {r} wrote no result (a peer crashed or it timed out): {tail}"})
+            outs.append(
+                {"crash": f"rank {r} wrote no result (a peer crashed or it timed out): {tail}"}
+            )
     return outs

@@ -37,7 +37,10 @@ def main() -> None:
     result: dict[str, Any] = {}
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=ranks,
             timeout=timedelta(seconds=60),
         )
         from torch.distributed import pipelining
@@ -87,7 +90,7 @@ def main() -> None:
             for name, p in mine[i].named_parameters()
             if p.requires_grad
         }
-    except Exception as exc:  # noqa: BLE001  (reported per rank; the peer must not hang)
+    except Exception as exc:  # reported per rank; the peer must not hang
         result["crash"] = f"{type(exc).__name__}: {exc}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
     torch.save(result, os.path.join(workdir, f"{mode}-rank{rank}.pt"))

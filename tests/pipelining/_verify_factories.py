@@ -84,7 +84,10 @@ class _PrefixStage(nn.Module):
 def four_prefix_stages() -> tuple[list[nn.Module], list[Any]]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(4)]
+    batches = [
+        (torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator))
+        for _ in range(4)
+    ]
     return [_PrefixStage(last=i == 3) for i in range(4)], batches
 
 

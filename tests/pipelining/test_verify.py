@@ -65,7 +65,9 @@ def _hooked() -> tuple[nn.Module, list[str]]:
     fired: list[str] = []
     for name, param in module.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
-    module.inner.weight.register_hook(lambda g: g * 2)  # changes the gradient: must run exactly once
+    module.inner.weight.register_hook(
+        lambda g: g * 2
+    )  # changes the gradient: must run exactly once
     module.inner.register_full_backward_hook(lambda m, gi, go: fired.append("inner module"))
     return module, fired
 
@@ -76,11 +78,15 @@ def test_post_accumulate_hooks_are_counted_and_named_as_a_hazard() -> None:
     assert report.ok, str(report)
     assert report.hazards["H1 hooks in W"] == ("inner.weight", "outer.bias", "outer.weight")
     counts = {h.label: h for h in report.hooks}
-    label = next(k for k in counts if k.startswith("post-accumulate hook") and k.endswith("on outer.weight"))
+    label = next(
+        k for k in counts if k.startswith("post-accumulate hook") and k.endswith("on outer.weight")
+    )
     assert counts[label].fused == 4  # once per microbatch
     assert counts[label].calls["gradsafe"]["w-after-b"] == 4
     module_hook = next(k for k in counts if k.startswith("module backward hook on inner:"))
-    assert counts[module_hook].fused == 4 and counts[module_hook].calls["gradsafe"]["w-after-b"] == 4
+    assert (
+        counts[module_hook].fused == 4 and counts[module_hook].calls["gradsafe"]["w-after-b"] == 4
+    )
     assert report.upstream["w-after-b"].verdict != "right", str(report)
     # The hooks ran on the copies: fused and gradsafe, 4 microbatches, 3 parameters and the module.
     assert fired.count("outer.weight") >= 8 and fired.count("inner module") >= 8
@@ -92,7 +98,10 @@ def test_caller_module_grads_hooks_and_rng_are_left_as_they_were() -> None:
     for p in module.parameters():
         p.grad = torch.full_like(p, 7.0)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    hooks = {n: (dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {})) for n, p in module.named_parameters()}
+    hooks = {
+        n: (dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {}))
+        for n, p in module.named_parameters()
+    }
     module_hooks = dict(module.inner._backward_hooks)
     rng = torch.get_rng_state()
     verify(module, _batches(), dtype=torch.float64)
@@ -121,12 +130,16 @@ def _dropping_split() -> Split:
     return Split(real.backward_input, weight, real.backward)
 
 
-def test_a_split_that_drops_a_gradient_makes_the_report_not_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_split_that_drops_a_gradient_makes_the_report_not_ok(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(_verify, "_gradsafe_split", _dropping_split)
     torch.manual_seed(0)
     report = verify(ReusedLinear(), _batches())
     assert not report.ok
-    assert all(r.verdict == "WRONG" and r.params == ("lin.weight",) for r in report.gradsafe.values())
+    assert all(
+        r.verdict == "WRONG" and r.params == ("lin.weight",) for r in report.gradsafe.values()
+    )
     row = next(r for r in report.grads if r.name == "lin.weight")
     assert row.errors["gradsafe"]["w-after-b"] == "None pattern"
     assert "lin.weight" in str(report) and "NOT OK" in str(report)
@@ -180,7 +193,11 @@ def test_recomputations_and_custom_backwards_are_counted_as_fused() -> None:
     assert report.ok, str(report)
     counts = {h.label: h for h in report.hooks}
     assert counts["forward of mlp recomputed in backward"].fused == 4
-    custom = next(h for label, h in counts.items() if label.startswith("custom Function") and "_Counted" in label)
+    custom = next(
+        h
+        for label, h in counts.items()
+        if label.startswith("custom Function") and "_Counted" in label
+    )
     assert custom.fused == 4
     assert set(custom.calls["gradsafe"].values()) == {4}
 
@@ -190,7 +207,9 @@ def test_stages_in_sequence_with_a_shared_parameter_and_a_loss() -> None:
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight  # tied across two stages of one rank (V shape)
     report = verify(
-        [nn.Sequential(first, nn.Tanh()), last], _batches(6), lambda out, k: out.pow(2).sum() * (k + 1)
+        [nn.Sequential(first, nn.Tanh()), last],
+        _batches(6),
+        lambda out, k: out.pow(2).sum() * (k + 1),
     )
     assert report.ok, str(report)
     names = [r.name for r in report.grads]
@@ -220,7 +239,9 @@ def test_b_refuses_a_reentrant_checkpoint_on_the_input_side_and_changes_nothing(
     module = _ReentrantOnInput()
     x = torch.randn(3, 4, requires_grad=True)
     out = module(x)
-    with pytest.raises(SplitBackwardError, match="use_reentrant=True is on this stage's input side"):
+    with pytest.raises(
+        SplitBackwardError, match="use_reentrant=True is on this stage's input side"
+    ):
         stage_backward_input([out], [torch.randn(3, 4)], [x], module.parameters())
     assert x.grad is None and all(p.grad is None for p in module.parameters())
 

@@ -18,7 +18,9 @@ from gradsafe.pipelining import _verify
 HERE = Path(__file__).parent
 
 
-def test_exact_model_exits_0_with_a_progress_line_per_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_exact_model_exits_0_with_a_progress_line_per_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["verify", "_verify_factories:param_only_output"]) == 0
     out, err = capsys.readouterr()
     assert "H1 parameter-only output: prefix" in out and "OK: gradsafe equals" in out
@@ -26,12 +28,24 @@ def test_exact_model_exits_0_with_a_progress_line_per_run(capsys: pytest.Capture
 
 
 def test_json_and_orders_and_a_loss_from_the_factory(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", "_verify_factories:reused_with_loss", "--json", "--orders", "w-lag-3", "--dtype", "float32"])
+    code = main(
+        [
+            "verify",
+            "_verify_factories:reused_with_loss",
+            "--json",
+            "--orders",
+            "w-lag-3",
+            "--dtype",
+            "float32",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["ok"] and data["orders"] == ["w-lag-3"] and data["dtype"] == "float32"
 
 
-def test_a_split_that_drops_a_gradient_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_split_that_drops_a_gradient_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(_verify, "_gradsafe_split", _dropping_split)
     assert main(["verify", "_verify_factories:reused_with_loss"]) == 1
     out = capsys.readouterr().out
@@ -41,13 +55,22 @@ def test_a_split_that_drops_a_gradient_exits_1(monkeypatch: pytest.MonkeyPatch, 
 def test_refused_model_exits_2_with_the_reason() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gradsafe", "verify", "_verify_factories:reentrant_on_input"],
-        cwd=HERE, env=worker_env(), capture_output=True, text=True, timeout=120, check=False,
+        cwd=HERE,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gradsafe refuses this model" in proc.stdout and "use_reentrant=False" in proc.stdout
 
 
-@pytest.mark.parametrize("spec", ["_verify_factories:not_a_tuple", "_verify_factories:missing", "no_colon"])
-def test_unusable_factory_exits_2_naming_the_problem(spec: str, capsys: pytest.CaptureFixture[Any]) -> None:
+@pytest.mark.parametrize(
+    "spec", ["_verify_factories:not_a_tuple", "_verify_factories:missing", "no_colon"]
+)
+def test_unusable_factory_exits_2_naming_the_problem(
+    spec: str, capsys: pytest.CaptureFixture[Any]
+) -> None:
     assert main(["verify", spec]) == 2
     assert "gradsafe verify:" in capsys.readouterr().err

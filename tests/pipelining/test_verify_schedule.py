@@ -22,7 +22,9 @@ def _skip_if_gloo_cannot_run_v_shapes(results: dict[str, dict[str, dict[str, str
     for per in results.values():
         for result in per.values():
             if "Pair is not connected" in result["message"]:
-                pytest.skip(f"this torch cannot run a V-shaped schedule on gloo: {result['message'][:200]}")
+                pytest.skip(
+                    f"this torch cannot run a V-shaped schedule on gloo: {result['message'][:200]}"
+                )
 
 
 def _single_process_wrong() -> set[str]:
@@ -43,15 +45,32 @@ def _check_agrees(data: dict, wrong_in_one_process: set[str]) -> None:  # type: 
 def test_zbv_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(HERE)
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsafe", "verify", SPEC, "--schedule", "ZBVZeroBubble", "--ranks", "2", "--json"],
-        env=worker_env(), capture_output=True, text=True, timeout=400, check=False,
+        [
+            sys.executable,
+            "-m",
+            "gradsafe",
+            "verify",
+            SPEC,
+            "--schedule",
+            "ZBVZeroBubble",
+            "--ranks",
+            "2",
+            "--json",
+        ],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
     )
     data = json.loads(proc.stdout)
     _check_agrees(data, _single_process_wrong())
     assert proc.returncode == 0, proc.stderr
 
 
-def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.chdir(HERE)
     report = verify_schedule(SPEC, "DualPipeV", 2)
     assert isinstance(report, ScheduleReport)
