@@ -6,9 +6,12 @@ use a private registry over a throw-away module so they run in milliseconds.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -183,3 +186,78 @@ def test_plans_ignore_the_callers_dispatch_modes() -> None:
     with FakeTensorMode():
         got = {name: _decision(traced.plan(name)) for name in traced.names()}
     assert got == expected
+
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, lambda h: pickle.dumps(h)])
+def test_a_handle_cannot_be_copied_so_no_copy_releases_the_originals_references(
+    mod: types.ModuleType, duplicate: Callable[[object], object]
+) -> None:
+    registry = PatchRegistry([_patch_a()])
+    handle = registry.patch()
+    with pytest.raises(TypeError, match=r"cannot be copied.*patch\(\) again"):
+        duplicate(handle)
+    assert mod.a is _ours_a and handle.names == ("a",)
+    handle.release()
+    assert mod.a is _torch_a and registry.status()["a"].refcount == 0
+
+
+def test_a_copy_attempt_inside_a_with_block_leaves_the_block_patched(mod: types.ModuleType) -> None:
+    registry = PatchRegistry([_patch_a()])
+    with registry.patch() as handle:
+        with pytest.raises(TypeError):
+            copy.copy(handle)
+        assert mod.a is _ours_a and registry.status()["a"].refcount == 1
+    assert mod.a is _torch_a
+
+
+def test_leaving_a_handle_more_often_than_it_was_entered_is_a_clear_error(
+    mod: types.ModuleType,
+) -> None:
+    registry = PatchRegistry([_patch_a()])
+    handle = registry.patch()
+    with handle:
+        pass
+    with pytest.raises(RuntimeError, match="__exit__ called more often than __enter__"):
+        handle.__exit__(None, None, None)
+    assert mod.a is _torch_a and registry.status()["a"].refcount == 0
+
+
+def test_unpatch_with_nothing_to_release_is_a_no_op(mod: types.ModuleType) -> None:
+    registry = PatchRegistry([_patch_a()])
+    registry.unpatch()  # nothing patched at all
+    handle = registry.patch()
+    handle.release()
+    registry.unpatch("a")  # released already through the handle
+    with registry.patch():
+        registry.unpatch()  # the block's reference is not this call's to release
+        assert mod.a is _ours_a and registry.status()["a"].refcount == 1
+    assert mod.a is _torch_a and registry.status()["a"].refcount == 0
+
+
+def test_one_handle_entered_by_many_threads_keeps_every_block_patched(
+    mod: types.ModuleType,
+) -> None:
+    registry = PatchRegistry([_patch_a()])
+    handle = registry.patch()
+    handle.release()
+    threads = 8
+    entered = threading.Barrier(threads)
+    seen: list[object] = []
+    errors: list[BaseException] = []
+
+    def block() -> None:
+        try:
+            with handle:
+                entered.wait(timeout=10)  # every thread inside its block at once
+                seen.append(mod.a)
+                entered.wait(timeout=10)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=block) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    assert errors == [] and seen == [_ours_a] * threads
+    assert mod.a is _torch_a and registry.status()["a"].refcount == 0 and handle.names == ()

@@ -11,6 +11,12 @@ from typing_extensions import Self
 
 __all__ = ["PatchHandle", "References"]
 
+_NO_COPY = (
+    "a PatchHandle cannot be copied or pickled: it stands for the references its patch() call "
+    "took, and a copy would release them behind the original's back; call gradsafe.patch() "
+    "again for an independent handle, or enter the same handle again (with handle:)"
+)
+
 
 class References(Protocol):
     """What a handle needs from its registry: references taken and given back under one lock.
@@ -39,6 +45,12 @@ class PatchHandle:
     handle entered again (``ctx = gradsafe.patch()`` then ``with ctx:`` in a
     loop, or nested) takes fresh references for that block, so every block
     runs patched.
+
+    A handle stands for references it took, so it cannot be copied
+    (``copy.copy``, ``copy.deepcopy`` and pickling raise ``TypeError``): a copy
+    would give back references the original still lists. Call ``patch()``
+    again for another, independent handle. Leaving a block the handle was not
+    entered for raises ``RuntimeError``.
     """
 
     def __init__(self, references: References, requested: tuple[str, ...], held: tuple[str, ...]):
@@ -96,7 +108,21 @@ class PatchHandle:
         tb: TracebackType | None,
     ) -> None:
         with self._references.lock:
+            if not self._blocks:
+                raise RuntimeError(
+                    "PatchHandle.__exit__ called more often than __enter__: this handle owns no "
+                    "with block to leave; call __exit__ once per __enter__ (a with statement does)"
+                )
             self._references.release(self._blocks.pop())
+
+    def __copy__(self) -> PatchHandle:
+        raise TypeError(_NO_COPY)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PatchHandle:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: object) -> str | tuple[object, ...]:
+        raise TypeError(_NO_COPY)
 
     def __repr__(self) -> str:
         return f"PatchHandle(names={self.names!r})"

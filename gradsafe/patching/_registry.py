@@ -126,7 +126,9 @@ class PatchRegistry:
         ``with`` blocks are released only by leaving the block, and other
         threads' ``patch()`` calls are theirs to undo (``handle.release()``
         works from any thread), so an ``unpatch()`` can never remove a patch
-        someone else still relies on.
+        someone else still relies on. A name with no such reference is left as
+        it is: ``unpatch()`` with nothing of this thread's to release is a
+        no-op, so a clean-up ``unpatch()`` is always safe.
 
         Raises:
             ValueError: a name is not one of :meth:`names`.
