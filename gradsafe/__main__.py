@@ -27,14 +27,19 @@ _DESCRIPTION = (
 def main(argv: Sequence[str] | None = None) -> int:
     import gradsafe
 
-    parser = argparse.ArgumentParser(prog="gradsafe", description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="gradsafe",
+        description=_DESCRIPTION,
+        epilog="Run without a command, gradsafe prints this help and exits with status 2.",
+    )
     parser.add_argument("--version", action="version", version=f"gradsafe {gradsafe.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command")
     doctor = commands.add_parser(
         "doctor",
         help="reproduce each hazard on the installed torch, without and with gradsafe",
         description="Reproduce each hazard on the installed torch, without and with gradsafe, "
-        "and list what gradsafe.patch() replaces on this torch. Exit status 0: gradsafe gets "
+        "and list what gradsafe.patch() replaces on this torch (with --only: the patches of "
+        "those capabilities). Exit status 0: gradsafe gets "
         "every row right; 1: some row is wrong or could not be measured.",
     )
     doctor.add_argument("--json", action="store_true", help="print the full report as JSON")
@@ -45,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _verify_cli.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
     if args.command == "verify":
         return _verify_cli.run(args)
 

@@ -96,7 +96,7 @@ class Report:
         if cells != [list(line) for line in body]:
             lines.append("(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)")
         lines += ["", "Patches on this torch (what gradsafe.patch() does here):"]
-        lines += [f"  {p}" for p in self.patches]
+        lines += [f"  {p}" for p in self.patches] or ["  none: the selected capabilities have no patch"]
         verdict = "gradsafe removes every hazard above" if self.ok else "NOT OK: see WRONG/n/a rows"
         return "\n".join([*lines, "", verdict])
 
@@ -135,9 +135,11 @@ def capability_names() -> tuple[str, ...]:
     return tuple(c.name for c in capabilities.CAPABILITIES)
 
 
-def _plans() -> tuple[PatchPlan, ...]:
+def _plans(only: Sequence[str]) -> tuple[PatchPlan, ...]:
     plans = []
     for name in REGISTRY.names():
+        if only and name not in only:  # a patch is named after its capability
+            continue
         try:
             plan = REGISTRY.plan(name)
         except Exception as exc:  # reported like a crashing row, never raised
@@ -152,6 +154,8 @@ def _plans() -> tuple[PatchPlan, ...]:
 
 def run(only: Sequence[str] = ()) -> Report:
     """Run every check (or those of the capabilities ``only`` names) and return the report.
+
+    The report's patches are those of the same capabilities.
 
     Raises:
         ValueError: ``only`` names something that is not a capability.
@@ -176,4 +180,4 @@ def run(only: Sequence[str] = ()) -> Report:
                 )
             )
     machine = f"{platform.machine()}, {'CUDA' if torch.cuda.is_available() else 'CPU only'}"
-    return Report(torch.__version__, machine, tuple(rows), _plans())
+    return Report(torch.__version__, machine, tuple(rows), _plans(only))

@@ -118,6 +118,8 @@ def test_patched_check_runs_upstream_then_patched(
 
 
 def _cli(*args: str, numpy: bool = True) -> subprocess.CompletedProcess[str]:
+    # None in sys.modules is numpy absent as importlib sees it: find_spec() returns None
+    # (torch._dynamo asks it) and an import raises ModuleNotFoundError.
     prelude = "" if numpy else "import sys; sys.modules['numpy'] = None; "
     code = prelude + "import sys; from gradsafe.__main__ import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
@@ -151,6 +153,33 @@ def test_cli_help_and_version_are_plain_text() -> None:
     assert "pipelining, dtensor, cuda_graphs, wgrad" in listed
     version = _cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"gradsafe {gradsafe.__version__}"
+
+
+def test_cli_without_a_command_prints_the_help_and_exits_2() -> None:
+    proc = _cli()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("usage: gradsafe") and "doctor" in proc.stdout
+    assert "exits with status 2" in " ".join(proc.stdout.split())
+
+
+def test_only_lists_the_selected_capabilities_patches(fake_table: list[Check]) -> None:
+    registry = PatchRegistry(
+        [Patch(name, "", lambda: Skip("not here")) for name in ("pipelining", "dtensor")]
+    )
+    doctor.REGISTRY = registry  # fake_table's monkeypatch restores it
+    assert [p.name for p in doctor.run(["pipelining"]).patches] == ["pipelining"]
+    assert [p.name for p in doctor.run().patches] == ["pipelining", "dtensor"]
+    text = doctor.run(["wgrad"]).render()
+    section = text.split("Patches on this torch")[1]
+    assert "pipelining" not in section and "none: the selected capabilities have no patch" in section
+
+
+def test_cli_only_shows_only_that_capabilitys_patches() -> None:
+    proc = _cli("doctor", "--only", "dtensor", numpy=False)
+    section = proc.stdout.split("Patches on this torch")[1]
+    assert "  dtensor: " in section, proc.stdout
+    assert "pipelining" not in section and "cuda_graphs" not in section
+    assert "NumPy" not in proc.stderr and "numpy" not in proc.stdout.lower(), proc.stderr
 
 
 def test_runs_without_numpy_and_says_nothing_about_it() -> None:
