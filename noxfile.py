@@ -1,4 +1,4 @@
-"""One test session per supported torch release and Python version, lint, a type check, and megatron-core's real DDP (CI runs them all).
+"""One test session per supported torch release and Python version, lint, a type check with the doctests, and megatron-core's real DDP (CI runs them all).
 
 Each session runs the README's two set-up commands with that torch pinned:
 ``pip install torch==X . && gradsafe doctor`` (must exit 0), then
@@ -123,6 +123,9 @@ def megatron(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typing(session: nox.Session) -> None:
-    session.install("torch==2.13.0", ".", "mypy")
+    session.install("torch==2.13.0", ".", "mypy", "pytest")
     session.run("mypy", "--ignore-missing-imports", "-p", "gradsafe")
+    # The docstrings' Example:: blocks, run against the installed package (pytest
+    # exits 5, failing the session, if it collects none).
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules", "--pyargs", "gradsafe")
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)

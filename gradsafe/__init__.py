@@ -35,7 +35,17 @@ __version__ = "0.2.0"
 
 
 def patch(*names: PatchName) -> PatchHandle:
-    """Apply the named patches (none named: all) and return a handle; see :meth:`PatchRegistry.patch`."""
+    """Apply the named patches (none named: all) and return a handle; see :meth:`PatchRegistry.patch`.
+
+    Example::
+
+        >>> import gradsafe
+        >>> with gradsafe.patch("pipelining") as handle:  # torch's functions back on exit
+        ...     print(handle.names)
+        ('pipelining',)
+        >>> gradsafe.status()["pipelining"].refcount
+        0
+    """
     return REGISTRY.patch(*names)
 
 

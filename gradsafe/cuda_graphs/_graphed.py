@@ -103,6 +103,21 @@ def make_graphed_callables(
         UnsupportedTorchError: the installed torch builds graphed callables in
             a shape gradsafe does not recognise (never silently unsafe).
         ValueError: ``ownership`` is not one of ``"auto"``, ``"always"``, ``"never"``.
+
+    Example (two microbatches accumulate: 3 + 6, where upstream's static
+    buffer would give 6 + 6)::
+
+        >>> import torch
+        >>> from gradsafe.cuda_graphs import make_graphed_callables
+        >>> from gradsafe.testing import emulate_cuda_graphs
+        >>> with emulate_cuda_graphs():  # a CPU stand-in; on a GPU: CUDA module and tensors
+        ...     layer = torch.nn.Linear(2, 2)
+        ...     graphed = make_graphed_callables(layer, (torch.ones(3, 2),))
+        ...     for microbatch in (1.0, 2.0):
+        ...         graphed(torch.full((3, 2), microbatch)).sum().backward()
+        >>> layer.weight.grad
+        tensor([[9., 9.],
+                [9., 9.]])
     """
     if ownership not in OWNERSHIP_POLICIES:
         raise ValueError(

@@ -129,6 +129,18 @@ class CaptureOrder:
 
     Raises:
         CaptureOrderError: the first position, in capture order, at which a rule is broken.
+
+    Example::
+
+        >>> from gradsafe.cuda_graphs import CaptureEntry, CaptureOrder, CaptureOrderError
+        >>> F, B, W = CaptureEntry.forward, CaptureEntry.dgrad, CaptureEntry.wgrad
+        >>> print(CaptureOrder([F(0, 0), F(0, 1), B(0, 0), W(0, 0), B(0, 1), W(0, 1)]))
+        F(c0,mb0) F(c0,mb1) D(c0,mb0) W(c0,mb0) D(c0,mb1) W(c0,mb1)
+        >>> try:
+        ...     CaptureOrder([F(0, 0), W(0, 0), B(0, 0)])
+        ... except CaptureOrderError as error:
+        ...     print(error.position, error.rule.value)
+        1 wgrad-after-its-dgrad
     """
 
     entries: tuple[CaptureEntry, ...]

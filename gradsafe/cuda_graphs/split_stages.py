@@ -403,6 +403,25 @@ def make_graphed_split_callables(
     Raises:
         ValueError: a chunk without delayed wgrad, chunks not ``0..len(callables)-1``,
             hooks present at capture time.
+
+    Example::
+
+        >>> import torch
+        >>> from gradsafe.cuda_graphs import CaptureEntry, CaptureOrder, make_graphed_split_callables
+        >>> from gradsafe.testing import emulate_cuda_graphs
+        >>> F, B, W = CaptureEntry.forward, CaptureEntry.dgrad, CaptureEntry.wgrad
+        >>> with emulate_cuda_graphs():  # a CPU stand-in; on a GPU: CUDA module and tensors
+        ...     stage = torch.nn.Linear(2, 2)
+        ...     sample = (torch.ones(3, 2, requires_grad=True),)
+        ...     stages = make_graphed_split_callables([stage], [sample], CaptureOrder([F(0, 0), B(0, 0), W(0, 0)]))
+        ...     x = torch.full((3, 2), 2.0, requires_grad=True)
+        ...     (dx,) = torch.autograd.grad(stages.callables[0](x).sum(), [x])  # F, then B
+        ...     print(stage.weight.grad)  # W has not run yet
+        ...     stages.backward_weight(0)
+        None
+        >>> stage.weight.grad
+        tensor([[6., 6.],
+                [6., 6.]])
     """
     modules = list(callables)
     _check_arguments(modules, sample_args, order)

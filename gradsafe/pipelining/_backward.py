@@ -98,6 +98,20 @@ def stage_backward_input(
             none of ``weights``, a post hook on a node that depends on both a
             stage input and a parameter, or a ``register_multi_grad_hook``
             spanning a stage input and a parameter. Nothing has changed then.
+
+    Example::
+
+        >>> import torch
+        >>> from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+        >>> stage = torch.nn.Linear(3, 2)
+        >>> x = torch.ones(4, 3, requires_grad=True)
+        >>> y = stage(x)
+        >>> (dx,), handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+        >>> torch.equal(dx, torch.ones(4, 2) @ stage.weight.detach()), stage.weight.grad is None
+        (True, True)
+        >>> grads = stage_backward_weight(stage.parameters(), handoff)  # W, later in the schedule
+        >>> torch.equal(stage.weight.grad, torch.ones(2, 4) @ x.detach())
+        True
     """
     # B builds autograd nodes of its own (views of outputs, its record hooks);
     # under torch.inference_mode() those would be inference tensors without a
@@ -309,6 +323,19 @@ def stage_backward_weight(
             propagates unchanged from the delivery step: parameters whose
             AccumulateGrad ran before it keep their new gradient (their hooks
             ran), the others do not, and the hand-off is ``FAILED``.
+
+    Example::
+
+        >>> import torch
+        >>> from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+        >>> stage = torch.nn.Linear(3, 2)
+        >>> y = stage(torch.ones(4, 3))
+        >>> _, handoff = stage_backward_input(y, torch.ones_like(y), [], stage.parameters())
+        >>> hook = stage.bias.register_hook(lambda g: print("bias hook", g))
+        >>> weight_grad, bias_grad = stage_backward_weight(stage.parameters(), handoff)
+        bias hook tensor([4., 4.])
+        >>> print(handoff.state)
+        HandoffState.CONSUMED
     """
     weight_list = tensor_list(weights, "weights")
     expect_handoff(param_groups).run(weight_list, retain_graph)
@@ -328,6 +355,19 @@ def stage_backward(
     None and Python scalars ignored, other types refused; each
     tensor input's gradient is returned and its ``.grad`` cleared.
     ``outputs_with_grads_idxs`` (deprecated upstream) selects outputs by index.
+
+    Example::
+
+        >>> import torch
+        >>> from gradsafe.pipelining import stage_backward
+        >>> stage = torch.nn.Linear(3, 2)
+        >>> x = torch.ones(4, 3, requires_grad=True)
+        >>> y = stage(x)
+        >>> (dx,) = stage_backward(y, torch.ones_like(y), [x])
+        >>> torch.equal(dx, torch.ones(4, 2) @ stage.weight.detach()), x.grad is None
+        (True, True)
+        >>> torch.equal(stage.weight.grad, torch.ones(2, 4) @ x.detach())
+        True
     """
     if outputs_with_grads_idxs is not None:
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]

@@ -164,6 +164,21 @@ def wgrad_return(
     clears the flag as it reaches AccumulateGrad, so the hook adds ``.grad``.
     Never return a view of ``main_grad``: AccumulateGrad copies it into
     ``.grad`` and a hook adds it a second time.
+
+    Example::
+
+        >>> import torch
+        >>> from gradsafe.wgrad import wgrad_return
+        >>> weight, wgrad = torch.nn.Parameter(torch.ones(2)), torch.full((2,), 3.0)
+        >>> wgrad_return(weight, wgrad, accumulate_into_main_grad=False, delayed=False) is wgrad
+        True
+        >>> print(wgrad_return(weight, None, accumulate_into_main_grad=False, delayed=True))
+        None
+        >>> weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(2), False
+        >>> wgrad_return(weight, None, accumulate_into_main_grad=True, delayed=False)
+        tensor([0., 0.])
+        >>> weight.grad_added_to_main_grad
+        True
     """
     if delayed:
         return None

@@ -195,6 +195,21 @@ class WeightGradStore:
 
     Also owns the grad-ready hooks of delayed parameters. Thread-safe for
     recording from autograd's worker threads.
+
+    Example (``record`` is called from a custom ``backward``; see
+    ``examples/fused_linear.py``)::
+
+        >>> import torch
+        >>> from gradsafe.wgrad import WeightGradStore
+        >>> store = WeightGradStore()
+        >>> weight, x = torch.nn.Parameter(torch.ones(2)), torch.tensor([1.0, 2.0])
+        >>> store.record(weight, lambda main_grad: 3 * x, accumulate_into_main_grad=False)
+        >>> hook = store.register_grad_ready_hook(weight, lambda p: print("ready", p.grad))
+        >>> pending = store.seal()  # end of B: this microbatch's W pass
+        >>> pending.run()
+        ready tensor([3., 6.])
+        >>> pending.done
+        True
     """
 
     def __init__(self) -> None:
