@@ -133,3 +133,115 @@ def test_at_most_one_import_runs_up_the_layers() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- private torch internals: one module per capability (docs/architecture.md) -----------
+
+#: Per package, the modules that may touch private torch internals; every
+#: capability's ``_patch.py`` may too (its patch targets are torch's own slots).
+INTERNALS_MODULES = {
+    "gradsafe.patching": {"gradsafe.patching._registry"},  # plans probed outside dispatch modes
+    "gradsafe.pipelining": {"gradsafe.pipelining._torch"},
+    "gradsafe.dtensor": {"gradsafe.dtensor._torch"},
+    "gradsafe.cuda_graphs": {"gradsafe.cuda_graphs._structure", "gradsafe.cuda_graphs._autograd"},
+    "gradsafe.wgrad": {"gradsafe.wgrad._torch"},
+    "gradsafe.testing": {"gradsafe.testing._graph_recorder"},
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_torch_path(dotted: str) -> bool:
+    parts = dotted.split(".")
+    # torch.ops.aten._foo names an operator (public namespace), not a Python internal.
+    return parts[0] == "torch" and parts[1:2] != ["ops"] and any(map(_is_private, parts[1:]))
+
+
+def _private_object_attributes() -> frozenset[str]:
+    """Private attributes of torch's own objects gradsafe reads (module hook dicts, Tensor and Node internals)."""
+    import torch
+
+    node = torch.ones(1, requires_grad=True).mul(2).grad_fn
+    names = {*dir(torch.nn.Module()), *dir(torch.Tensor), *dir(node)}
+    return frozenset(n for n in names if _is_private(n))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def private_torch_uses(path: Path) -> set[str]:
+    """What ``path`` uses of private torch: imports, ``torch.`` attribute paths, ``import_module``
+    strings, and private attributes of torch objects (other than gradsafe's own, on ``self``/``cls``)."""
+    object_attributes = _private_object_attributes()
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if _private_torch_path(a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if _private_torch_path(f"{node.module}.{a.name}")
+            }
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted is not None and _private_torch_path(dotted):
+                found.add(dotted)
+            elif node.attr in object_attributes and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                found.add(f".{node.attr}")
+        elif isinstance(node, ast.Call):
+            func = _dotted(node.func) or ""
+            names = [a.value for a in node.args[:2] if isinstance(a, ast.Constant)]
+            if func.endswith("import_module"):
+                found |= {n for n in names if isinstance(n, str) and _private_torch_path(n)}
+            elif func in ("getattr", "hasattr", "setattr"):
+                found |= {f".{n}" for n in names if n in object_attributes}
+    return found
+
+
+def test_private_torch_internals_live_in_one_module_per_capability() -> None:
+    outside = {}
+    for module, path in modules().items():
+        package = module.rpartition(".")[0] if path.name != "__init__.py" else module
+        allowed = INTERNALS_MODULES.get(package, set())
+        if module in allowed or (package in INTERNALS_MODULES and path.name == "_patch.py"):
+            continue
+        uses = private_torch_uses(path)
+        if uses:
+            outside[module] = sorted(uses)
+    assert outside == {}, f"private torch internals outside their capability's module: {outside}"
+
+
+def test_the_internals_scan_sees_imports_attribute_paths_and_object_attributes(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import importlib\n"
+        "import torch\n"
+        "from torch.utils._pytree import tree_flatten\n"
+        "def f(m, t):\n"
+        "    import torch.distributed.pipelining._backward as b\n"
+        "    importlib.import_module('torch._dynamo')\n"
+        "    getattr(t, '_backward_hooks', None)\n"
+        "    torch.ops.aten._unique.default\n"
+        "    return torch._C._current_graph_task_id(), m._forward_hooks, self._apply\n"
+    )
+    assert private_torch_uses(sample) == {
+        "torch.utils._pytree.tree_flatten",
+        "torch.distributed.pipelining._backward",
+        "torch._dynamo",
+        "._backward_hooks",
+        "torch._C._current_graph_task_id",
+        "torch._C",
+        "._forward_hooks",
+    }

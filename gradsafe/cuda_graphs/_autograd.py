@@ -1,7 +1,9 @@
 """What a graphed backward reads from autograd while it runs: which nodes run, and which gradients are kept.
 
 The rule both graphed backwards (``make_graphed_callables`` and the split
-stages) copy by is written once here: :func:`accumulate_grad_keeps`.
+stages) copy by is written once here: :func:`accumulate_grad_keeps`. The base
+class of modes that watch the ops a backward dispatches (``TorchDispatchMode``,
+from a private torch module) is taken from here too.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.wgrad.markers import hook_keeps_no_gradient
 
 __all__ = [
     "LeafFate",
+    "TorchDispatchMode",
     "accumulate_grad_keeps",
     "function_class_of",
     "has_tensor_hooks",

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.checks import Outcome, patched_check
+from gradsafe.cuda_graphs._autograd import TorchDispatchMode
 
 __all__ = [
     "ALIASED",

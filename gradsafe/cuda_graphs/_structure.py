@@ -9,6 +9,9 @@ forward when the training flag changed). gradsafe swaps the ``Graphed`` cell of
 ``functionalized`` for a subclass whose ``backward`` hands out owned tensors;
 nothing else of upstream's callable changes.
 
+How torch flattens a callable's arguments and outputs (``torch.utils._pytree``)
+and which module hooks it refuses are read here too, for the split stages.
+
 If the installed torch builds its callables differently, :func:`find_graphed_site`
 raises :class:`UnsupportedTorchError` naming the torch version, so gradsafe never
 returns callables it could not make safe. What gradsafe reads from autograd
@@ -22,10 +25,21 @@ import inspect
 import types
 
 import torch
+from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 from gradsafe._torch_support import SUPPORTED_TORCH
 
-__all__ = ["GraphedSite", "UnsupportedTorchError", "find_graphed_site", "graphed_inputs"]
+__all__ = [
+    "GraphedSite",
+    "UnsupportedTorchError",
+    "arg_tree_leaves",
+    "find_graphed_site",
+    "graphed_inputs",
+    "has_module_hooks",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_unflatten",
+]
 
 _CLASS_NAME = "Graphed"
 
@@ -143,10 +157,13 @@ def _dry_backward(graphed_cls: type[torch.autograd.Function]) -> object:
 
 def graphed_inputs(callable_: object, sample_args: tuple[object, ...]) -> int:
     """How many tensors upstream's graphed Function takes: flattened sample args, then module parameters."""
-    import torch.utils._pytree as pytree
-
     params = len(tuple(callable_.parameters())) if isinstance(callable_, torch.nn.Module) else 0
-    return len(pytree.arg_tree_leaves(*sample_args)) + params
+    return len(arg_tree_leaves(*sample_args)) + params
+
+
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has its own forward, forward-pre or backward hooks (the ones torch's graphing refuses)."""
+    return bool(module._backward_hooks or module._forward_hooks or module._forward_pre_hooks)
 
 
 def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:

@@ -438,9 +438,9 @@ def _flatten_actions(actions: Iterable[Any]) -> Iterable[tuple[int, str, int]]:
         if action is None:
             continue
         if isinstance(action, str):
-            from torch.distributed.pipelining.schedules import _Action
+            from gradsafe.pipelining._torch import schedule_action
 
-            action = _Action.from_str(action)
+            action = schedule_action(action)
             if action is None:
                 continue
         if getattr(action, "sub_actions", None):

@@ -42,6 +42,13 @@ from gradsafe.cuda_graphs._autograd import (
     is_accumulate_grad,
     leaf_fate,
 )
+from gradsafe.cuda_graphs._structure import (
+    arg_tree_leaves,
+    has_module_hooks,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+)
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
 from gradsafe.pipelining import stage_backward_input
 from gradsafe.pipelining import WeightGradHandoff
@@ -234,7 +241,7 @@ class GraphedSplitStages:
     # -- replays -------------------------------------------------------------------------
 
     def _forward(self, chunk: int, args: tuple[Any, ...]) -> Any:
-        flat = torch.utils._pytree.arg_tree_leaves(*args)
+        flat = arg_tree_leaves(*args)
         statics = self._slots[(chunk, self.order.microbatches(chunk)[0])].static_inputs
         if len(flat) != len(statics) or any(
             not isinstance(v, torch.Tensor) or v.shape != s.shape or v.dtype != s.dtype
@@ -254,7 +261,7 @@ class GraphedSplitStages:
                         static.copy_(value)
             slot.fwd_graph.replay()
             outputs = _StageFunction.apply(self, slot, self._anchors[chunk], *flat)
-        return torch.utils._pytree.tree_unflatten(list(outputs), slot.output_spec)
+        return tree_unflatten(list(outputs), slot.output_spec)
 
     def _replay_dgrad(self, slot: _Slot, grads: Sequence[torch.Tensor | None]) -> None:
         self._take(EntryKind.DGRAD, slot.chunk, slot.microbatch)
@@ -352,7 +359,7 @@ def _check_inputs(chunk: int, module: Any, args: Any) -> tuple[torch.Tensor, ...
             f"make_graphed_split_callables: chunk {chunk} is {type(module).__name__}; each chunk must "
             "be an nn.Module (its parameters are what W delivers to)"
         )
-    if module._backward_hooks or module._forward_hooks or module._forward_pre_hooks:
+    if has_module_hooks(module):
         raise ValueError(
             f"make_graphed_split_callables: chunk {chunk} has module hooks; they would run only "
             "during capture. Register them after graphing."
@@ -367,7 +374,7 @@ def _check_inputs(chunk: int, module: Any, args: Any) -> tuple[torch.Tensor, ...
             )
     if any(b.requires_grad for b in module.buffers()):
         raise ValueError(f"make_graphed_split_callables: chunk {chunk} has a buffer that requires grad")
-    flat = tuple(torch.utils._pytree.arg_tree_leaves(*args))
+    flat = tuple(arg_tree_leaves(*args))
     if not all(isinstance(a, torch.Tensor) for a in flat):
         raise TypeError(f"make_graphed_split_callables: sample_args of chunk {chunk} must be tensors only")
     return flat
@@ -488,7 +495,7 @@ def _warm_up(
         for c in order.chunks:
             warm = slots[(c, order.microbatches(c)[0])]
             for _ in range(num_warmup_iters):
-                outputs = tuple(torch.utils._pytree.tree_leaves(modules[c](*warm.static_inputs)))
+                outputs = tuple(tree_leaves(modules[c](*warm.static_inputs)))
                 trial = dataclasses.replace(
                     warm,
                     static_outputs=outputs,
@@ -517,7 +524,7 @@ def _capture(
             slot.fwd_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(slot.fwd_graph, pool=pool):
                 out = modules[entry.chunk](*slot.static_inputs)
-            flat_out, slot.output_spec = torch.utils._pytree.tree_flatten(out)
+            flat_out, slot.output_spec = tree_flatten(out)
             slot.static_outputs = tuple(flat_out)
             # Outside the pool: written by the caller before each B replay.
             slot.static_grad_outputs = tuple(

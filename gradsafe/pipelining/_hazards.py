@@ -7,13 +7,13 @@ measures torch's split and, under ``gradsafe.patch("pipelining")``, gradsafe's.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from gradsafe.checks import Check, Outcome, patched_check
+from gradsafe.pipelining._torch import split_backward_module
 
 __all__ = [
     "CHECKS",
@@ -72,7 +72,7 @@ def as_outputs(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tenso
 
 def split_backward(module: nn.Module, x: torch.Tensor) -> None:
     """Forward ``module`` on ``x``, then B and W with whatever split the installed torch has."""
-    backward = importlib.import_module("torch.distributed.pipelining._backward")
+    backward = split_backward_module()
     outputs = as_outputs(module(x))
     grads = [torch.ones_like(o) for o in outputs]
     _, handoff = backward.stage_backward_input(outputs, grads, [x], module.parameters())

@@ -30,13 +30,17 @@ and :func:`missing_feature` reports it before the patch is applied:
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
-  parameter): which parameter autograd saw for the sharded one a caller passes.
+  parameter): which parameter autograd saw for the sharded one a caller passes;
+- ``torch.distributed.pipelining._backward``, where torch's split functions
+  live (the hazard reproductions call whichever is installed there), and the
+  schedules' ``_Action`` (parsing an action's string form, for capture orders).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -355,3 +359,15 @@ def engine_error(exc: RuntimeError) -> EngineError | None:
     if "use_reentrant=True" in text:
         return "reentrant_checkpoint"
     return None
+
+
+def split_backward_module() -> types.ModuleType:
+    """``torch.distributed.pipelining._backward`` as it is now: torch's split functions, or gradsafe's when patched."""
+    return importlib.import_module("torch.distributed.pipelining._backward")
+
+
+def schedule_action(text: str) -> Any:
+    """torch's pipeline-schedule action for its string form (e.g. ``"0F1"``), None for an empty one."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(text)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe.wgrad._torch import current_graph_task
 from gradsafe.wgrad.markers import mark_hook_keeps_no_gradient
 
 __all__ = ["dummy_wgrad", "wgrad_return"]
@@ -65,12 +66,6 @@ class _FlagWatch:
 
 _watches: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _watch_lock = threading.Lock()
-
-
-def _current_backward() -> int:
-    # Private torch API (present on every supported torch): the running graph
-    # task's id, -1 outside a backward. Each backward call gets a new one.
-    return int(torch._C._current_graph_task_id())
 
 
 def _on_incoming_grad(
@@ -195,7 +190,7 @@ def wgrad_return(
     watch = watch_flag(param)
     if watch is None:  # not a leaf that autograd accumulates into: nothing else to track
         return dummy_wgrad(param)
-    task = _current_backward()
+    task = current_graph_task()
     if task != -1 and watch.task == task:
         return None  # this backward already carries a dummy into param's AccumulateGrad
     watch.task = task
