@@ -27,11 +27,21 @@ def _tensors_with_grad(values: Sequence[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
 
 
-def check_split(make: Make, *, loss: bool = False, seed: int = 0, atol: float = 1e-9) -> Any:
+def check_split(
+    make: Make,
+    *,
+    loss: bool = False,
+    seed: int = 0,
+    atol: float = 1e-9,
+    split: tuple[Callable[..., Any], Callable[..., Any]] = (stage_backward_input, stage_backward_weight),
+) -> Any:
     """Run ``make``'s forward twice: fused reference, then B and W; assert equal grads.
 
-    Returns the hand-off (consumed) for further assertions.
+    ``split`` is the (B, W) pair checked: gradsafe's by default
+    (tools/zoo_upstream.py passes torch's own). Returns the hand-off (consumed)
+    for further assertions.
     """
+    backward_input, backward_weight = split
     torch.manual_seed(seed)
     module, inputs, forward = make()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -58,9 +68,9 @@ def check_split(make: Make, *, loss: bool = False, seed: int = 0, atol: float = 
     for p in module.parameters():
         p.grad = None
     outputs = list(forward(*inputs))
-    dinputs, handoff = stage_backward_input(outputs, output_grads, inputs, module.parameters())
+    dinputs, handoff = backward_input(outputs, output_grads, inputs, module.parameters())
     assert all(p.grad is None for p in module.parameters()), "B touched a parameter's .grad"
-    stage_backward_weight(module.parameters(), handoff)
+    backward_weight(module.parameters(), handoff)
 
     got_inputs = [d for d, v in zip(dinputs, inputs) if isinstance(v, torch.Tensor) and v.requires_grad]
     for i, (want, got) in enumerate(zip(ref_inputs, got_inputs)):
