@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import platform
 import statistics
 import time
@@ -228,6 +229,19 @@ def budget_table(device: torch.device) -> None:
             )
 
 
+def _train_step(
+    opt: torch.optim.Optimizer, xs: Sequence[torch.Tensor], graphed: Sequence[Callable[..., torch.Tensor]]
+) -> None:
+    """One optimizer step over ``xs`` as microbatches through the graphed layers."""
+    opt.zero_grad(set_to_none=True)
+    for x in xs:
+        h = x
+        for layer in graphed:
+            h = layer(h)
+        h.float().pow(2).mean().backward()
+    opt.step()
+
+
 def step_times(
     device: torch.device,
     d_model: int = 1024,
@@ -258,14 +272,7 @@ def step_times(
         opt = torch.optim.SGD(params, lr=1e-4)
         xs = [torch.randn(batch, seq, d_model, device=device) for _ in range(microbatches)]
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            for x in xs:
-                h = x
-                for layer in graphed:
-                    h = layer(h)
-                h.float().pow(2).mean().backward()
-            opt.step()
+        step = functools.partial(_train_step, opt, xs, graphed)
 
         for _ in range(3):
             step()

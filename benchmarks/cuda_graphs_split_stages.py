@@ -35,7 +35,7 @@ from torch.distributed.pipelining import schedules
 
 from gradsafe.cuda_graphs._hazards import CopyCounter
 from gradsafe.cuda_graphs.capture_order import CaptureOrder, EntryKind
-from gradsafe.cuda_graphs.split_stages import GraphedSplitStages, make_graphed_split_callables
+from gradsafe.cuda_graphs.split_stages import make_graphed_split_callables
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 from gradsafe.testing import emulate_cuda_graphs
 

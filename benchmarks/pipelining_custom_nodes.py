@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pipelining_split  # the sibling benchmark (this script's folder is on sys.path)
 import torch
 import torch._functorch.config
 from torch import nn
@@ -28,8 +29,6 @@ from torch.distributed.pipelining import _backward as torch_split
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
-
-import pipelining_split  # the sibling benchmark (this script's folder is on sys.path)
 
 CALLS = {"custom backward": 0, "checkpointed forward": 0}
 

@@ -25,7 +25,6 @@ import argparse
 import gc
 import os
 import platform
-from collections.abc import Callable
 from typing import Any
 
 import torch

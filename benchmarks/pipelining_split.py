@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import _backward as torch_split
 
 from gradsafe.pipelining import _graph, stage_backward_input, stage_backward_weight
 from gradsafe.pipelining._hazards import ReusedLinear
-from torch.autograd.graph import get_gradient_edge
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -176,9 +176,9 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
     print("\n2. B+W (ms) vs torch's own B+W and one fused backward")
     models = {
         f"12 distinct Linear (d={d})": (linear_stack(12, d, False, True), (tokens, d)),
-        f"1 Linear x12, no bias": (linear_stack(12, d, True, False), (tokens, d)),
-        f"1 Linear x12, bias": (linear_stack(12, d, True, True), (tokens, d)),
-        f"recurrence h@w + x@u x12": (recurrence(12, d), (tokens, d)),
+        "1 Linear x12, no bias": (linear_stack(12, d, True, False), (tokens, d)),
+        "1 Linear x12, bias": (linear_stack(12, d, True, True), (tokens, d)),
+        "recurrence h@w + x@u x12": (recurrence(12, d), (tokens, d)),
         f"12 transformer blocks (d={d // 2})": (transformer(12, d // 2), (4, tokens // 8, d // 2)),
         f"12 transformer blocks (d={d})": (transformer(12, d), (4, tokens // 8, d)),
     }

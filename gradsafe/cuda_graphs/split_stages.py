@@ -50,8 +50,7 @@ from gradsafe.cuda_graphs._structure import (
     tree_unflatten,
 )
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
-from gradsafe.pipelining import stage_backward_input
-from gradsafe.pipelining import WeightGradHandoff
+from gradsafe.pipelining import WeightGradHandoff, stage_backward_input
 
 __all__ = [
     "GraphedSplitStages",

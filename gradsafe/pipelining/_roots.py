@@ -1,6 +1,6 @@
 """Collecting a stage's outputs and their gradients: the roots B (and the fused backward) start from.
 
-The outputs may be tensors, ``GradientEdge``\ s, or tuples/lists/dicts of them
+The outputs may be tensors, ``GradientEdge`` objects, or tuples/lists/dicts of them
 (as torch's ``stage_backward`` accepts); their gradients come nested the same
 way, or as None for a loss.
 """

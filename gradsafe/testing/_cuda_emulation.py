@@ -22,8 +22,7 @@ from typing import Final
 
 import torch
 
-from gradsafe.patching import REGISTRY
-from gradsafe.patching import AttrTarget, Target
+from gradsafe.patching import REGISTRY, AttrTarget, Target
 from gradsafe.testing._graph_recorder import (
     INVALIDATED,
     GraphRecording,

@@ -14,7 +14,12 @@ one under Megatron-core's hooks without Megatron.
 """
 
 from gradsafe.wgrad._policy import dummy_wgrad, wgrad_return
-from gradsafe.wgrad._store import GradReadyHook, PendingWeightGrads, WeightGradClosure, WeightGradStore
+from gradsafe.wgrad._store import (
+    GradReadyHook,
+    PendingWeightGrads,
+    WeightGradClosure,
+    WeightGradStore,
+)
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 from gradsafe.wgrad.megatron import register_megatron_hook
 

@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from gradsafe.cuda_graphs.capture_order import CaptureEntry, CaptureOrder, EntryKind
 from gradsafe.cuda_graphs.split_stages import (

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dtensor_gradcases import LAYOUTS, PLACEMENTS, Case, expected_global_grad, kept_by_gradsafe, run
 from torch.distributed.device_mesh import init_device_mesh
 
 import gradsafe
-from dtensor_gradcases import LAYOUTS, PLACEMENTS, Case, expected_global_grad, kept_by_gradsafe, run
 from gradsafe.dtensor._hazards import CollectiveCounter
 
 _TIMEOUT = datetime.timedelta(seconds=60)

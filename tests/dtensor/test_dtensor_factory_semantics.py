@@ -15,10 +15,10 @@ and random fills raise.
 from __future__ import annotations
 
 import pytest
-
-import gradsafe
 from dtensor_factory_ops import FACTORIES, OPS, PLACEMENTS, behaviour
 from dtensor_gradcases import kept_by
+
+import gradsafe
 
 # torch 2.13.0+cpu, rank 0 of a fake process group of 4 (placement, op) ->
 # (empty tensor's placements, result's placements, collectives, result's local values)
@@ -101,7 +101,7 @@ def test_patched_factories_behave_as_recorded(fake_meshes, placement: str, facto
 
 def test_recorded_empties_take_their_inputs_placements() -> None:
     """2.13's rule, as recorded: the empty tensor has its input's placements, Partial included."""
-    for (placement, op), recorded in TORCH_2_13.items():
+    for (placement, _op), recorded in TORCH_2_13.items():
         if recorded == "raises":
             continue
         made = recorded[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-
 from dtensor_gloo_workers import value_cases, worker
 
 pytestmark = pytest.mark.distributed

@@ -14,9 +14,9 @@ where the unpatched torch does not.
 from __future__ import annotations
 
 import pytest
+from dtensor_gradcases import Case, Outcome, all_cases, kept_by_gradsafe, run
 
 import gradsafe
-from dtensor_gradcases import Case, Outcome, all_cases, kept_by_gradsafe, run
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph=True")
 

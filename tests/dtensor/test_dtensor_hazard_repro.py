@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 
 import torch
+from conftest import applied
 from torch.distributed.tensor import Partial, Replicate
 
 import gradsafe
-from conftest import applied
 from gradsafe.dtensor import _patch, _torch, probe_propagator
 from gradsafe.dtensor._hazards import SeedResult, run_seed
 from gradsafe.patching import MISSING, Skip

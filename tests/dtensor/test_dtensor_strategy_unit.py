@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import applied
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -13,7 +14,6 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import _MaskPartial
 
 import gradsafe
-from conftest import applied
 from gradsafe.dtensor import FollowRule, ProbeFailure, ProbeResult, _patch, _torch, probe_propagator
 from gradsafe.dtensor._hazards import CollectiveCounter
 from gradsafe.patching import MISSING, Skip

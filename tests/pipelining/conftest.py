@@ -96,6 +96,7 @@ def split_checker() -> Callable[..., Any]:
 
 @pytest.fixture(autouse=True)
 def _fp64() -> Any:
+    """Every pipelining test runs in float64 (exact comparisons), restored after it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield

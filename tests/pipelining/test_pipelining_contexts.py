@@ -43,14 +43,14 @@ def test_split_under_contexts_equals_fused(b_context: str, w_context: str) -> No
 
 @pytest.mark.usefixtures("fp64")
 def test_flop_counter_mode_around_a_split_stage() -> None:
-    """Severity: CRASH with a MISLEADING ERROR (torch's own split fails the same way; a fused
-    backward works). ``torch.utils.module_tracker.ModuleTracker`` -- used by
-    ``FlopCounterMode``, a common way to measure MFU -- registers
-    ``register_multi_grad_hook(module inputs, mode="all")``; for the first module that is the
-    leaf stage input, which B's ``autograd.grad(inputs=...)`` captures, and torch raises "A leaf
-    node was passed to _will_engine_execute_node but we are currently running autograd.grad()"
-    from inside B's engine call. Neither refused with SplitBackwardError nor documented; any
-    mode-"all" multi-grad hook over a leaf stage input alone does the same.
+    """FlopCounterMode around B and W: B refuses with SplitBackwardError before anything runs, or runs exact.
+
+    ``torch.utils.module_tracker.ModuleTracker`` (used by ``FlopCounterMode``, a common way to
+    measure MFU) registers ``register_multi_grad_hook(module inputs, mode="all")``; for the first
+    module that is the leaf stage input, which B's ``autograd.grad(inputs=...)`` captures, and
+    torch's engine raises "A leaf node was passed to _will_engine_execute_node" from inside such
+    a call (torch's own split fails the same way; a fused backward works). Any mode-"all"
+    multi-grad hook over a leaf stage input alone is the same case.
     """
     from torch.utils.flop_counter import FlopCounterMode
 

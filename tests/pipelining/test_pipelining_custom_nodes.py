@@ -1,8 +1,9 @@
 """Split backward through custom autograd.Functions, compiled blocks and checkpointing (issue 11).
 
 Each case runs a fused backward and gradsafe's B then W on the same forward, in
-fp64, and asserts equal gradients and that every backward, side effect and
-hook ran as often as in the fused backward.
+fp64 (conftest.py's autouse fixture, restored after each test), and asserts equal
+gradients and that every backward, side effect and hook ran as often as in the
+fused backward.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
-
-torch.set_default_dtype(torch.float64)
 
 
 class Counts:
@@ -337,11 +336,12 @@ def test_donated_buffers_are_a_clear_error_at_b() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_checkpointed_forward_side_effects_happen_as_often_as_in_a_fused_backward() -> None:
-    """Severity: wrong model state silently. With non-reentrant activation checkpointing the
-    checkpointed forward is recomputed on unpack - once in a fused backward, but twice with B + W
-    (once in B, once in W; docs only mention the cost). Forward side effects therefore happen an
-    extra time: a train-mode BatchNorm inside the block updates running_mean/var and
-    num_batches_tracked 3 times per microbatch instead of 2 (MoE load counters, etc. likewise)."""
+    """A checkpointed block's forward side effects happen as often with B + W as in a fused backward.
+
+    With non-reentrant activation checkpointing the block's forward is recomputed on unpack:
+    once in a fused backward. Recomputing it in B and again in W would update a train-mode
+    BatchNorm's running_mean/var and num_batches_tracked (or MoE load counters) once too often.
+    """
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -361,13 +361,11 @@ def test_checkpointed_forward_side_effects_happen_as_often_as_in_a_fused_backwar
 
 @pytest.mark.usefixtures("fp64")
 def test_reentrant_checkpoint_on_the_weight_only_side_is_refused_in_b() -> None:
-    """Severity: CRASH (late: B ran, returned input gradients the schedule sends on, then W
-    fails and the hand-off is FAILED, so the microbatch's weight gradient is lost); every
-    weight-only node runs under W's ``autograd.grad(inputs=...)``.
-    ``checkpoint(f, w, use_reentrant=True)`` computed from parameters alone: B never runs it,
-    W's engine pass does and torch refuses ("incompatible with .grad() or passing an `inputs`
-    parameter"). Expected: refused in B before anything changes (as documented for the
-    input side), or honoured.
+    """A reentrant checkpoint computed from parameters alone is refused in B, before anything changes.
+
+    B never runs ``checkpoint(f, w, use_reentrant=True)``; W's engine pass would, and torch
+    refuses reentrant checkpoints under ``autograd.grad(inputs=...)``. Failing there would lose
+    the microbatch's weight gradient after B's input gradients were sent on.
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
@@ -384,15 +382,11 @@ def test_reentrant_checkpoint_on_the_weight_only_side_is_refused_in_b() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_compiled_weight_only_block_with_donated_buffers() -> None:
-    """Severity: CRASH (late: after B) with a MISLEADING ERROR.
+    """A compiled weight-only block (weight-norm, fake-quant, LoRA merge) gets the fused backward's gradients, or is refused in B.
 
-    A compiled weight transform (weight-norm, fake-quant, a LoRA merge ``w + a @ b``) computed
-    from parameters alone is a weight-only ``CompiledFunctionBackward``. B never runs it, so B's
-    donated-buffer check (which names ``torch._functorch.config.donated_buffer = False``) never
-    fires; W's new engine pass runs it with ``retain_graph=True`` and torch refuses ("compiled
-    with non-empty donated buffers which requires ... retain_graph=False"), wrapped as "the
-    weight pass failed ... saved tensors ... gone: redo the microbatch's forward and backward".
-    A fused backward works.
+    Computed from parameters alone it is a weight-only ``CompiledFunctionBackward`` that B never
+    runs; W's engine pass runs it, and a block that donates its saved buffers cannot run there.
+    Such a block must not fail late in W with a message about freed saved tensors.
     """
     transform = torch.compile(
         lambda w: torch.sin(torch.cos(w) * 3) @ torch.tanh(w * 2), backend="aot_eager"
@@ -466,15 +460,13 @@ def _weight_only_custom_function_in_a_region(split: bool) -> tuple[int, list[tor
 
 @pytest.mark.usefixtures("fp64")
 def test_custom_function_on_the_weight_side_of_a_checkpointed_region_recomputes_once() -> None:
-    """Severity: wrong recompute count (and, with dropout and preserve_rng_state=False in the
-    region, a different mask for W's unpack).
+    """A checkpointed region holding a weight-only custom Function recomputes once across B and W.
 
-    One checkpointed region computes ``sin(x)`` (input side, not an intermediate) and a custom
-    Function of the parameter ``u`` (weight-only); a plain ``@`` joins them. No intermediate is
-    checkpointed, so ``in_b`` is empty, and ``_group_for`` looks for hooked saved tensors only on
-    *built-in* weight-only nodes (``not is_python_node(n)``): the custom Function node saved
-    ``u`` through the checkpoint's hooks too, but B and W get no ``GraphExecGroup``. B unpacks
-    ``sin``'s input (recompute 1), W's engine pass unpacks the Function's (recompute 2). Fused: 1.
+    The region computes ``sin(x)`` (input side) and a custom Function of the parameter ``u``
+    (weight-only); a plain ``@`` joins them. Both nodes' saved tensors come through the
+    checkpoint's hooks, so B and W must share one checkpoint group: B unpacking ``sin``'s input
+    and W the Function's would otherwise recompute the region twice (and, with dropout and
+    ``preserve_rng_state=False``, draw a different mask for W).
     """
     fused_runs, fused = _weight_only_custom_function_in_a_region(split=False)
     split_runs, split = _weight_only_custom_function_in_a_region(split=True)
@@ -497,14 +489,12 @@ def _dropconnect(split: bool) -> list[torch.Tensor | None]:
 
 @pytest.mark.usefixtures("fp64")
 def test_weight_only_checkpointed_dropout_sees_the_fused_masks() -> None:
-    """Severity: silent wrong gradient (dx and u.grad), with preserve_rng_state=False only.
+    """With ``preserve_rng_state=False`` every checkpointed region draws the fused backward's dropout masks.
 
-    The docs promise the fused backward's dropout masks also with ``preserve_rng_state=False``.
-    Each region does recompute once, but a checkpointed region on the weight-only side outside
-    ``K`` recomputes in W's engine pass, after every region B recomputed; a fused backward
-    recomputes the regions in its own (sequence-number) order, here the weight-only one first.
-    The regions draw their masks from the global RNG in a different order, so both ``dx`` and
-    ``u.grad`` differ from the fused backward's.
+    A fused backward recomputes the regions in its own (sequence-number) order, here the
+    weight-only one first; a weight-only region recomputed in W's pass after every region B
+    recomputed would draw its mask from the global RNG in a different order, changing ``dx``
+    and ``u.grad``.
     """
     fused = _dropconnect(split=False)
     split = _dropconnect(split=True)
@@ -537,15 +527,12 @@ def _in_place_on_a_view_in_a_region(split: bool, dropout: bool) -> tuple[int, li
 @pytest.mark.usefixtures("fp64")
 @pytest.mark.parametrize("dropout", [False, True])
 def test_in_place_on_a_view_inside_a_checkpoint_recomputes_once(dropout: bool) -> None:
-    """Severity: wrong recompute count; with dropout and preserve_rng_state=False, silent wrong
-    gradient (``w.grad`` off by ~5.8 here).
+    """An in-place write into a view inside a checkpoint (a ``CopySlices`` node) recomputes the region once.
 
-    ``y[:, :2].mul_(w[0, :2])`` inside a checkpointed region makes a ``CopySlices`` node (an
-    intermediate: edges to ``y``'s input side and to ``w``'s slice). Its saved tensors live in
-    the wrapped ``MulBackward0``; ``CopySlices`` itself has no ``_raw_saved_*`` attributes, so
-    ``has_hooked_saved`` says no, it is not computed in B, and W calls it directly: the inner
-    node unpacks the checkpointed tensors again and the region recomputes a second time (fused:
-    once), drawing a new dropout mask for W's weight gradient.
+    ``y[:, :2].mul_(w[0, :2])`` makes a ``CopySlices`` node whose saved tensors live in the
+    wrapped ``MulBackward0``, not in ``_raw_saved_*`` attributes of its own. Calling it again in
+    W would unpack the checkpointed tensors a second time and, with dropout and
+    ``preserve_rng_state=False``, give ``w.grad`` a new mask (off by ~5.8 here).
     """
     fused_runs, fused = _in_place_on_a_view_in_a_region(split=False, dropout=dropout)
     split_runs, split = _in_place_on_a_view_in_a_region(split=True, dropout=dropout)
@@ -603,16 +590,12 @@ def _cpp_matmul_stage(ext, split: bool, checkpointed: bool) -> tuple[int, int, l
 )
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_cpp_custom_function_backward_runs_once(checkpointed: bool) -> None:
-    """Severity: wrong call count of a custom backward (side effects such as ``main_grad += dW``
-    happen twice: silent wrong gradient); inside a checkpoint also a wrong recompute count and,
-    with dropout and preserve_rng_state=False, a silent wrong ``w.grad`` (off by ~2 here).
+    """A C++ extension's custom Function runs its backward once per microbatch, inside a checkpoint too.
 
-    A ``torch::autograd::Function`` from a C++ extension has a ``CppFunction`` node, which is
-    not a ``torch._C._FunctionBase``, so ``is_python_node`` says built-in: it is not computed
-    whole in B. B runs its backward for ``dx``, and W calls the node directly for ``dW``: its
-    backward runs twice per microbatch (fused: once). Its saved tensors are not
-    ``_raw_saved_*`` attributes either, so inside a checkpoint ``has_hooked_saved`` misses them
-    and W's call unpacks them again: the region recomputes a second time with a new mask.
+    A ``torch::autograd::Function`` has a ``CppNode`` that is no ``torch._C._FunctionBase``;
+    running its backward in B for ``dx`` and again in W for ``dW`` would repeat side effects such
+    as ``main_grad += dW``, and inside a checkpoint (its saved tensors are no ``_raw_saved_*``
+    attributes) recompute the region with a new dropout mask (``w.grad`` off by ~2 here).
     The extension is built once per torch into torch's extension cache (about a minute).
     """
     from torch.utils.cpp_extension import load_inline
@@ -658,13 +641,11 @@ def _in_place_custom_function_on_a_view(split: bool) -> list[torch.Tensor | None
 
 @pytest.mark.usefixtures("fp64")
 def test_in_place_custom_function_on_a_view_runs_once() -> None:
-    """Severity: silent wrong gradient (``v.main_grad`` doubled; the custom backward runs twice).
+    """A custom Function applied in place to a view (``mark_dirty``) runs its backward once per microbatch.
 
-    A custom Function applied in place to a view (``mark_dirty``) is wrapped by autograd in a
-    ``CopySlices`` node, a built-in node: ``is_python_node`` says no, so it is not computed
-    whole in B. B runs it (and the wrapped Function's backward) for ``dx``; W calls the
-    ``CopySlices`` directly for ``w``'s side, which runs the Function's backward again:
-    its ``main_grad += dv`` happens twice.
+    autograd wraps it in a built-in ``CopySlices`` node. Running that node in B for ``dx`` and
+    again in W for ``w``'s side would run the Function's backward twice, doubling its
+    ``main_grad += dv``.
     """
     fused = _in_place_custom_function_on_a_view(split=False)
     split = _in_place_custom_function_on_a_view(split=True)

@@ -255,13 +255,11 @@ class _MainGradMatmul(torch.autograd.Function):
 
 @pytest.mark.usefixtures("fp64")
 def test_refused_b_changes_nothing_with_main_grad() -> None:
-    """Severity: misleading error (a refused B has already changed ``main_grad``; redoing the
-    microbatch as the message suggests, or falling back to ``stage_backward``, counts it twice).
+    """A refused B changes nothing, ``main_grad`` included, so redoing the microbatch counts it once.
 
-    The donated-buffer refusal is raised from inside B's engine call: every node that ran before
-    the compiled block's backward has run, including a Megatron-style custom Function's
-    ``main_grad += dW`` (and any hook on ``K``). The message says no parameter gradient has
-    changed; ``w.main_grad`` has.
+    The donated-buffer refusal must come before B's engine call: refusing from inside it would
+    leave every node that already ran applied, including a Megatron-style custom Function's
+    ``main_grad += dW``, while the message says no parameter gradient changed.
     """
     from gradsafe.pipelining import SplitBackwardError
 

@@ -286,15 +286,14 @@ def _activation_alive_after_backward(split: bool, hooks: str) -> bool:
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="graph kept alive after W when hooks pack the tensor itself")
 @pytest.mark.parametrize("hooks", ["save_on_cpu", "identity"])
 def test_no_graph_alive_after_w_with_offload_hooks(hooks: str) -> None:
-    """Severity: memory leak (the whole microbatch graph, every step).
+    """After W nothing keeps the microbatch's graph alive, also when saved-tensor hooks pack the tensor itself.
 
-    ``save_on_cpu`` on a CPU tensor packs the tensor itself (``tensor.cpu()`` is a no-op), as
-    does any identity-style ``saved_tensors_hooks``. A node that saves its own output
-    (``tanh``) then holds, through its C++ ``SavedVariable``, the output tensor whose
-    ``grad_fn`` is that node: a cycle the Python collector cannot see. A fused backward breaks
-    it by freeing the saved tensors; B and W both run with ``retain_graph=True`` and W never
-    frees saved tensors, so after W the graph and every activation it saved stay alive for
-    good. (Non-reentrant checkpointing packs a holder, not the tensor: no cycle there.)
+    ``save_on_cpu`` on a CPU tensor (or any identity-style ``saved_tensors_hooks``) packs the
+    tensor itself, so a node that saves its own output (``tanh``) holds, through its C++
+    ``SavedVariable``, the tensor whose ``grad_fn`` it is: a cycle the Python collector cannot
+    see. A fused backward breaks it by freeing the saved tensors; B and W run with
+    ``retain_graph=True``, so the split must break it another way. (Non-reentrant checkpointing
+    packs a holder, not the tensor: no cycle there.)
     """
     assert not _activation_alive_after_backward(split=False, hooks=hooks)
     assert not _activation_alive_after_backward(split=True, hooks=hooks)

@@ -322,15 +322,12 @@ def _record(calls: list[Any]) -> Callable[[Any], None]:
 
 @pytest.mark.usefixtures("fp64")
 def test_hook_on_weight_only_tensor_consumed_by_a_checkpointed_op_runs_once() -> None:
-    """Severity: SILENT WRONG GRADIENT (and wrong hook count).
+    """A tensor hook on a weight-only tensor used inside a checkpoint fires once and scales ``w.grad`` once.
 
-    ``wt = w * 2`` with a scaling tensor hook, used inside a non-reentrant checkpoint together
-    with the stage input. The checkpointed MmBackward is an intermediate B must capture
-    (``in_b``), so B passes ``GradientEdge(MulBackward0, 0)`` in ``autograd.grad(inputs=)``; the
-    engine runs a captured node's tensor pre-hooks, so the hook scales B's kept gradient. W's new
-    engine pass then roots at the same edge and MulBackward0's tensor hook runs again: w.grad is
-    3x too large, the hook fires twice. B silences only *leaf* targets' hooks. A W that calls MulBackward0 directly (no
-    hooks) is exact.
+    ``wt = w * 2`` with a scaling hook is used inside a non-reentrant checkpoint together with
+    the stage input, so B captures at ``GradientEdge(MulBackward0, 0)`` and the engine runs the
+    captured node's tensor pre-hooks there. W rooting a second engine pass at the same edge would
+    run the hook again (w.grad 3x too large).
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -348,13 +345,10 @@ def test_hook_on_weight_only_tensor_consumed_by_a_checkpointed_op_runs_once() ->
     "non-leaf fires in B and again in W; not refused",
 )
 def test_multi_grad_hook_any_over_input_and_weight_only_nonleaf() -> None:
-    """Severity: WRONG HOOK COUNT (2 instead of 1), silently.
+    """A mode-"any" multi-grad hook over a stage input and a tensor computed from a parameter fires once.
 
-    B refuses a multi-grad hook spanning a stage input and a *parameter*, but
-    ``_refuse_multi_grad_hooks_across`` compares only against ``weights``: the same hook over
-    the input and ``w * 2`` (weight-norm'd / cast / transposed weight) is accepted, fires in B
-    (input) and again in W's engine pass (``w * 2``). docs/pipelining.md names only the
-    parameter+activation case as unchecked.
+    The hook spans ``x`` (input side, B) and ``w * 2`` (weight-only, W's pass), so a split that
+    only looks for hooks spanning an input and a *parameter* lets it fire in B and again in W.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -367,12 +361,11 @@ def test_multi_grad_hook_any_over_input_and_weight_only_nonleaf() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_cleanly() -> None:
-    """Severity: CRASH with a MISLEADING ERROR (a fused backward works).
+    """A mode-"all" multi-grad hook over a stage input and a weight-only tensor: SplitBackwardError before anything runs, or exact.
 
-    B's ``autograd.grad(inputs=...)`` runs the hook's ``_will_engine_execute_node`` on the
-    weight-only side and torch raises "A leaf node was passed to _will_engine_execute_node but
-    we are currently running autograd.grad()". Promise: such hooks are refused with
-    SplitBackwardError before anything runs (as for input + parameter), or honoured.
+    B's ``autograd.grad(inputs=...)`` would run the hook's ``_will_engine_execute_node`` on the
+    weight-only side, and torch raises "A leaf node was passed to _will_engine_execute_node but
+    we are currently running autograd.grad()" (a fused backward works).
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
@@ -394,11 +387,11 @@ def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_clean
     "fires twice, each time with half the gradients (docs mention only mode 'any')",
 )
 def test_multi_grad_hook_all_over_parameter_and_activation() -> None:
-    """Severity: WRONG HOOK COUNT and WRONG HOOK ARGUMENTS, silently.
+    """A mode-"all" multi-grad hook over a parameter and an activation fires once with both gradients.
 
-    Fused: once, with (grad_u, grad_h). Split: once in B with (None, grad_h) and once in W's
-    delivery with (grad_u, None). A hook that, e.g., clips by the joint norm of its arguments
-    computes a different result. docs/pipelining.md only says mode "any" fires twice here.
+    Fused: once, with ``(grad_u, grad_h)``. Firing once in B with ``(None, grad_h)`` and again in
+    W's delivery with ``(grad_u, None)`` would change what a hook computes from both (e.g. a
+    clip by their joint norm).
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -416,12 +409,10 @@ def test_multi_grad_hook_all_over_parameter_and_activation() -> None:
     "non-leaf fires twice (W's engine pass, then W's delivery)",
 )
 def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
-    """Severity: WRONG HOOK COUNT (2 instead of 1), silently.
+    """A mode-"any" multi-grad hook over a parameter and a tensor computed from it fires once.
 
-    Both tensors are on the weight side, but W uses two engine calls: the hook on ``w * 2``
-    fires in the weight-only pass, the one on ``w`` (silenced there) in the delivery. The
-    docs' hook table promises hooks on tensors computed from parameters alone and
-    multi-grad hooks over parameters each fire once.
+    Both tensors are on the weight side, but W runs two engine calls: the hook on ``w * 2``
+    would fire in the weight-only pass and the one on ``w`` in the delivery.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -439,11 +430,10 @@ def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
     "non-leaf: B accepts it, W then fails (SplitBackwardError) -- a fused backward works",
 )
 def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
-    """Severity: CRASH (late: B accepted the microbatch, W fails it and the hand-off is FAILED).
+    """A mode-"all" multi-grad hook over a parameter and a tensor computed from it fires once with both gradients, or is refused in B.
 
-    In W's weight-only pass the hook asks ``_will_engine_execute_node`` about the captured leaf
-    and torch raises; W wraps it as "the weight pass failed ... a hook ... may have raised it".
-    Fused: fires once with both gradients. Either honour it or refuse it in B.
+    In W's weight-only pass the hook would ask ``_will_engine_execute_node`` about the captured
+    leaf and torch raises; failing there loses the microbatch after B accepted it.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -461,12 +451,11 @@ def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
     "W's capture (hooks dict emptied, new hook lands in it) and again in the delivery",
 )
 def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
-    """Severity: SILENT WRONG GRADIENT (the new hook's scale applied twice) and wrong hook count.
+    """A parameter hook registered by a weight-only tensor's hook during W runs once.
 
-    ``silenced_tensor_hooks`` clears ``w._backward_hooks`` during W's engine pass; the hook on
-    ``w * 2`` runs there and registers a hook on ``w``, which lands in the emptied dict (or a
-    new one, with its C++ pre-hook) and so runs on the capture; the dict is then restored with
-    the new hook still in it and the delivery runs it again. Fused: once.
+    The hook on ``w * 2`` runs in W's weight-only pass and registers a hook on ``w``; if that
+    lands in ``w``'s hook dict while its hooks are silenced for the capture, it would run on the
+    capture and again in the delivery, applying its scale twice.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -488,12 +477,11 @@ def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
     "escapes B's refusal and sees no weight half",
 )
 def test_post_hook_registered_on_an_intermediate_during_b() -> None:
-    """Severity: SILENT WRONG GRADIENT (low likelihood).
+    """A post hook registered on an intermediate during B (by a tensor hook) gets the fused backward's gradients, or is refused.
 
-    B checks intermediates for user post hooks before its engine call. A tensor hook on the
-    stage output that registers a grad_inputs-scaling post hook on ``(x @ w).grad_fn`` runs
-    inside B's engine call; the post hook then fires in B with None for w's edge, so w.grad
-    is unscaled while a fused backward scales it. Expected: refused, or honoured.
+    The tensor hook on the stage output registers a grad_inputs-scaling post hook on
+    ``(x @ w).grad_fn`` inside B's engine call; firing in B with None for w's edge would leave
+    ``w.grad`` unscaled while a fused backward scales it.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -518,12 +506,11 @@ class _UserError(Exception):
 
 @pytest.mark.usefixtures("fp64")
 def test_weight_only_hook_exception_keeps_its_type() -> None:
-    """Severity: MISLEADING ERROR (low). The transactional part holds: the hand-off is FAILED,
-    no parameter .grad changes, a retry is refused (asserted below, passing). But a fused
-    backward raises the hook's exception as is, and docs/pipelining.md ("A user hook's own
-    exception (any type) can only come from the delivery step and propagates unchanged") still
-    says so; ``except _UserError`` around the schedule misses it under the patch, and the message
-    suggests freed saved tensors as an alternative cause.
+    """A weight-only hook's own exception propagates from W with its type, and W stays transactional.
+
+    The hand-off is FAILED, no parameter ``.grad`` changes and a retry is refused; as in a fused
+    backward, ``except`` on the hook's exception type around the schedule catches it, and the
+    message does not suggest freed saved tensors.
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
@@ -547,15 +534,12 @@ def test_weight_only_hook_exception_keeps_its_type() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
-    """Severity: CRASH (false refusal) with a MISLEADING ERROR.
+    """A checkpointed stage with an L2 term on its weights gets the fused backward's gradients.
 
     ``loss = checkpoint(block)(x).pow(2).sum() + 1e-2 * (w ** 2).sum()``: the checkpointed
-    MmBackward's weight edge goes straight to w's AccumulateGrad (a B capture target) and the
-    non-checkpointed PowBackward0 also sends there, so ``_weight_parts_in_b`` raises for *every*
-    weight-only node feeding a target, calling it "a checkpointed PowBackward0". The same for
-    ``nn.Linear`` inside the checkpoint (bias edge) and for a tied head ``h @ w.t()``.
-    docs/pipelining.md limits the refusal to a *checkpointed* weight-only op. A fused backward
-    works; weight decay in the loss with activation checkpointing is common.
+    MmBackward's weight edge goes straight to w's AccumulateGrad, and the non-checkpointed
+    PowBackward0 sends there too. Only a *checkpointed* weight-only op may be refused; the same
+    holds for ``nn.Linear`` inside the checkpoint (bias edge) and a tied head ``h @ w.t()``.
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
@@ -579,12 +563,12 @@ def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
     "weight-only hook; a hook mutating its argument in place changes dx after B returned it",
 )
 def test_input_gradient_returned_by_b_is_not_changed_by_w() -> None:
-    """Severity: SILENT WRONG INPUT GRADIENT, low (needs a hook that mutates its argument in
-    place, which torch's docs discourage; a fused backward gives x.grad unchanged here because
-    AccumulateGrad clones a shared gradient). ``out = x + w * 2``: AddBackward passes the same
-    tensor to both edges, B returns it as dx (and as x.grad, no copy), W calls AddBackward on the
-    recorded gradient and roots its engine pass at it, so ``wt``'s hook ``t.mul_(3)`` triples
-    the dx the schedule may not have sent yet.
+    """The input gradient B returns is not changed by W, also when a weight-side hook mutates its argument in place.
+
+    ``out = x + w * 2``: AddBackward passes one tensor to both edges; if B returned it as ``dx``
+    (and ``x.grad``) and W rooted its pass at it, ``wt``'s hook ``t.mul_(3)`` would triple a
+    ``dx`` the schedule may not have sent yet. A fused backward leaves ``x.grad`` unchanged
+    (AccumulateGrad clones a shared gradient).
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(3, 4))
@@ -602,12 +586,11 @@ def test_input_gradient_returned_by_b_is_not_changed_by_w() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
-    """Severity: SILENT WRONG GRADIENT and wrong hook count. Same mechanism as the checkpointed case, but the
-    trigger is activation offloading (``save_on_cpu``, torchtune-style offloading, any
-    ``saved_tensors_hooks``): ``has_hooked_saved`` is true for every built-in intermediate, so
-    all go to ``in_b``, B captures at ``(MulBackward0, 0)`` running ``wt``'s tensor hook, and
-    W's engine pass runs it again. A weight-norm'd / fake-quantized weight with a gradient hook
-    in an offloaded stage gets a wrong gradient.
+    """Under activation offloading a hooked weight-only tensor's hook fires once and ``w.grad`` is the fused one.
+
+    With ``save_on_cpu`` (or any ``saved_tensors_hooks``) every built-in intermediate has hooked
+    saved tensors, so B captures at ``(MulBackward0, 0)``, running ``wt``'s tensor hook there;
+    W's engine pass must not run it again.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -621,11 +604,11 @@ def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
 
 @pytest.mark.usefixtures("fp64")
 def test_tied_weight_under_save_on_cpu() -> None:
-    """Severity: CRASH (false refusal) with a MISLEADING ERROR. The L2-term refusal, reached
-    without checkpointing: with activation offloading every intermediate is "checkpointed" to
-    gradsafe, so any weight-only op sending into a parameter another op uses directly (tied
-    embedding/head, ``w.t()``, an L2 term) is refused, and the message tells the user about
-    checkpointed regions they do not have. A fused backward works.
+    """Under activation offloading a tied weight (and any weight-only op feeding a parameter used directly) is exact, not refused.
+
+    With ``save_on_cpu`` every intermediate has hooked saved tensors, as in a checkpoint; a tied
+    embedding/head, ``w.t()`` or an L2 term must still get the fused backward's gradients, and no
+    message may speak of checkpointed regions the user does not have.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -642,14 +625,13 @@ def test_tied_weight_under_save_on_cpu() -> None:
     "pass runs when that pass ends, before W delivers any parameter gradient",
 )
 def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() -> None:
-    """Severity: WRONG STATE seen by end-of-backward callbacks, silently.
+    """An end-of-backward callback queued during W runs after the parameters have their gradients.
 
-    ``Variable._execution_engine.queue_callback`` runs a callback when the current backward
-    ends -- what reducers and FSDP1-style "post-backward final callbacks" use to act on the
-    finished ``.grad``. A module full backward pre-hook on a first stage (inputs need no grad,
-    so it is all weight-only and runs in W's engine pass) queues one; it runs at
-    the end of W's weight-only ``autograd.grad``, where no parameter has its gradient yet
-    (delivery is a second engine call). Fused: it sees ``lin.weight.grad``.
+    ``Variable._execution_engine.queue_callback`` (what reducers and FSDP1-style post-backward
+    callbacks use) runs when the current backward ends. A module full backward pre-hook on a
+    first stage (all weight-only, so it runs in W's pass) queues one; it must see
+    ``lin.weight.grad``, as after a fused backward, not run at the end of W's weight-only pass
+    before delivery.
     """
     from torch.autograd import Variable
 
@@ -675,11 +657,11 @@ def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() ->
 @pytest.mark.usefixtures("fp64")
 @pytest.mark.parametrize("where", ["weight-only hook in W", "activation hook in checkpointed B"])
 def test_parameter_hook_removed_by_another_hook_stays_removed(where: str) -> None:
-    """Severity: SILENT WRONG GRADIENT and a leaked hook. ``silenced_tensor_hooks`` saves the
-    leaf's hook items, clears the dict and ``update``s it back afterwards; a ``remove()`` done
-    in between (a one-shot hook, a hook that unregisters another) is undone. Fused: the removed
-    hook never fires. W's engine pass runs weight-only hooks inside that window; B
-    does too for activation hooks when it captures at a checkpointed op's weight edge.
+    """A parameter hook removed by another hook while W runs stays removed and never fires.
+
+    W's engine pass (and B's capture at a checkpointed op's weight edge) silences a leaf's
+    hooks for the capture and restores them after; a ``remove()`` done in between (a one-shot
+    hook, a hook that unregisters another) must not be undone by the restore.
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
@@ -697,10 +679,11 @@ def test_parameter_hook_removed_by_another_hook_stays_removed(where: str) -> Non
 
 @pytest.mark.usefixtures("fp64")
 def test_retain_grad_on_weight_only_tensor_under_save_on_cpu() -> None:
-    """Severity: SILENT WRONG (retained) GRADIENT, no user hook needed. Same mechanism as the hooked
-    weight-only tensors above: the retains-grad hook is a tensor pre-hook of ``MulBackward0``, run by B's capture at
-    ``(MulBackward0, 0)`` and by W's engine pass. Parameters' gradients stay right (found by a
-    400-program differential fuzz under ``save_on_cpu``).
+    """Under activation offloading a weight-only tensor's ``retain_grad()`` keeps the fused backward's gradient.
+
+    The retains-grad hook is a tensor pre-hook of ``MulBackward0``: B's capture at
+    ``(MulBackward0, 0)`` runs it, and W's engine pass must not add to it again. (Parameters'
+    gradients stay right; found by a 400-program differential fuzz under ``save_on_cpu``.)
     """
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))

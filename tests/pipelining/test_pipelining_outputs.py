@@ -9,7 +9,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from gradsafe.pipelining import SplitBackwardError, stage_backward, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import (
+    SplitBackwardError,
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 
 class Multi(nn.Module):

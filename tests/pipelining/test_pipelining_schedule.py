@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
 from torch.distributed.pipelining import stage as stage_module
 
 import gradsafe
-from _ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

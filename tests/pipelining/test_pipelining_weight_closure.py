@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 
-
 pytestmark = pytest.mark.usefixtures("fp64")
 
 

@@ -18,7 +18,6 @@ from gradsafe.wgrad import WeightGradStore
 from gradsafe.wgrad._hazards import repro_linear
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
-
 pytestmark = pytest.mark.usefixtures("fp64")
 
 
@@ -65,9 +64,10 @@ class _CountingMatmul(torch.autograd.Function):
 
 
 def test_custom_function_backward_runs_once_per_microbatch() -> None:
-    """Severity: misleading (root cause of the test above; also doubles the cost of custom
-    kernels' dgrad in W). A fused backward calls an input-side custom Function's backward once;
-    gradsafe's B + W call it twice (docs/pipelining.md only says W runs 'their whole backward')."""
+    """An input-side custom Function's backward runs once per microbatch with B + W, as in a fused backward.
+
+    Running it again in W would repeat its side effects and double custom kernels' dgrad cost.
+    """
     w = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
     _CountingMatmul.calls = 0

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _ranks import run_ranks, worker_env
 
 pytest.importorskip("torchtitan", reason="optional: the torchtitan test extra is not installed")
