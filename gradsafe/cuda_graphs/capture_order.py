@@ -368,6 +368,8 @@ class CaptureOrder:
                 ``[1, 1, -1, -1, -1.5, -1.5]``: both wgrad entries match
                 microbatch 1, and the second capture into its graph raises).
         """
+        # Over 60 lines on purpose: one pass that repeats TransformerEngine's
+        # index arithmetic, its two refusals next to the counts they read.
         forwards: dict[int, int] = {}
         dgrads: dict[int, int] = {}
         wgrad_taken: dict[tuple[int, int], int] = {}

@@ -429,6 +429,8 @@ def make_graphed_split_callables(
         tensor([[6., 6.],
                 [6., 6.]])
     """
+    # Over 60 lines only by its docstring (arguments and an example); the
+    # steps are the functions it calls.
     modules = list(callables)
     _check_arguments(modules, sample_args, order)
     flat_samples = [_check_inputs(c, m, a) for c, (m, a) in enumerate(zip(modules, sample_args))]

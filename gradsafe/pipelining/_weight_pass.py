@@ -160,6 +160,8 @@ def leaf_grads(
     ``recorded``: each intermediate is dropped once called, so the activations
     it saved are freed while W goes on.
     """
+    # Over 60 lines on purpose: its two engine passes (the recorded calls,
+    # then what they left for the weight-only nodes) fill one GradSums, in order.
     sums = GradSums()
     failure: list[BaseException] = []
     recorded.reverse()

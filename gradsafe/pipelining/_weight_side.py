@@ -68,6 +68,13 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
         return in_b, in_k, has_checkpoints
     if not in_b and not hooked:
         return in_b, in_k, has_checkpoints
+    _close(graph, in_b, in_k, hooked)
+    return in_b, in_k, has_checkpoints
+
+
+def _close(graph: StageGraph, in_b: set[Intermediate], in_k: set[Node], hooked: list[Node]) -> None:
+    """Grow ``in_b`` and ``K`` (in place) from ``in_b`` and the ``hooked`` weight-only nodes until
+    nothing outside ``K`` sends into it (the closure :func:`weight_parts_in_b` describes)."""
     senders: dict[Node, list[Intermediate]] = {}
     for item in graph.intermediates:
         for e in item.weight_edges:
@@ -100,7 +107,6 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
                 if item not in in_b:
                     in_b.add(item)
                     items.append(item)
-    return in_b, in_k, has_checkpoints
 
 
 def group_for(has_checkpoints: bool) -> Any:

@@ -175,6 +175,7 @@ def wgrad_return(
         >>> weight.grad_added_to_main_grad
         True
     """
+    # Over 60 lines only by its docstring (the one table and an example).
     if delayed:
         return None
     if not accumulate_into_main_grad:
