@@ -338,7 +338,7 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
     # --- the CPU kernel reads the host, the CUDA kernel does not
     Verdict(
         "F.one_hot(t)",
-        torch._C._nn.one_hot,
+        torch.nn.functional.one_hot,  # the same object as torch._C._nn.one_hot
         _R,
         "infers num_classes from the data's max on the host",
         "aten/src/ATen/native/Onehot.cpp: one_hot (num_classes == -1: self.max().item())",
@@ -346,7 +346,7 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
     ),
     Verdict(
         "F.one_hot(t, num_classes=k)",
-        torch._C._nn.one_hot,
+        torch.nn.functional.one_hot,  # the same object as torch._C._nn.one_hot
         _C,
         "no range check on the host: zeros + scatter_, a device assert for bad classes",
         "aten/src/ATen/native/Onehot.cpp: one_hot (the CPU branch alone reads aminmax)",
