@@ -371,3 +371,13 @@ def schedule_action(text: str) -> Any:
     from torch.distributed.pipelining.schedules import _Action
 
     return _Action.from_str(text)
+
+
+def tensor_hook_dicts(t: torch.Tensor) -> tuple[dict[Any, Any] | None, dict[Any, Any] | None]:
+    """``t``'s tensor-hook dict (``register_hook``) and post-accumulate-grad hook dict, None where it has none."""
+    return t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def module_backward_hook_dicts(module: torch.nn.Module) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """``module``'s full-backward hook dict and backward pre-hook dict (the objects themselves)."""
+    return module._backward_hooks, module._backward_pre_hooks

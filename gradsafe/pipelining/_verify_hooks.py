@@ -23,7 +23,11 @@ from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
 
 from gradsafe.pipelining._torch import _multi_grad_hook_codes as multi_grad_hook_codes
-from gradsafe.pipelining._torch import is_python_node
+from gradsafe.pipelining._torch import (
+    is_python_node,
+    module_backward_hook_dicts,
+    tensor_hook_dicts,
+)
 
 __all__ = ["HookCounter"]
 
@@ -92,11 +96,12 @@ class HookCounter:
                     continue
                 done.add(id(target))
                 where = f"{prefix}{name}"
-                for fn in (param._backward_hooks or {}).values():
+                tensor_hooks, post_accumulate_hooks = tensor_hook_dicts(param)
+                for fn in (tensor_hooks or {}).values():
                     if getattr(fn, "__code__", None) in multi_grad_hook_codes():
                         continue  # such a hook spans tensors of one forward, not this parameter
                     target.register_hook(self.wrap(fn, f"tensor hook {_name(fn)} on {where}"))
-                for fn in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                for fn in (post_accumulate_hooks or {}).values():
                     target.register_post_accumulate_grad_hook(
                         self.wrap(fn, f"post-accumulate hook {_name(fn)} on {where}")
                     )
@@ -112,8 +117,8 @@ class HookCounter:
                 self._keep.append(node)
                 if any(
                     (
-                        param._backward_hooks,
-                        getattr(param, "_post_accumulate_grad_hooks", None),
+                        tensor_hooks,
+                        post_accumulate_hooks,
                         post,
                         pre,
                     )
@@ -121,8 +126,9 @@ class HookCounter:
                     self.hooked.add(where)
             for name, module in copy.named_modules():
                 where = f"{prefix}{name}" or prefix.rstrip(".") or "module"
-                self._wrap_dict(module._backward_hooks, f"module backward hook on {where}:")
-                self._wrap_dict(module._backward_pre_hooks, f"module backward pre-hook on {where}:")
+                backward_hooks, backward_pre_hooks = module_backward_hook_dicts(module)
+                self._wrap_dict(backward_hooks, f"module backward hook on {where}:")
+                self._wrap_dict(backward_pre_hooks, f"module backward pre-hook on {where}:")
                 module.register_forward_pre_hook(functools.partial(self._forward_called, where))
 
     def _forward_called(self, where: str, module: nn.Module, args: Any) -> None:
