@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "load_factory", "run"]
+__all__ = ["add_parser", "run"]
 
 _DTYPES = ("float64", "float32", "bfloat16")
 _ORDERS = ("w-after-b", "w-reversed", "w-lag-3")  # gradsafe.pipelining.ORDERS, without torch
@@ -55,27 +54,11 @@ def add_parser(commands: Any) -> None:
     )
 
 
-def load_factory(spec: str) -> Any:
-    """Import ``PACKAGE.MODULE:FACTORY`` and call it: (stages, microbatches[, loss_fn])."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
-    if os.getcwd() not in sys.path:  # the console script does not put the working directory there
-        sys.path.insert(0, os.getcwd())
-    factory = getattr(importlib.import_module(module_name), attr)
-    built = factory()
-    if not isinstance(built, tuple) or len(built) not in (2, 3):
-        raise TypeError(
-            f"{spec} returned {type(built).__name__}; it must return (module_or_stages, "
-            "microbatches) or (module_or_stages, microbatches, loss_fn)"
-        )
-    return built
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from gradsafe.pipelining import verify
+    from gradsafe.pipelining._verify_factory import load_factory
 
     if "OMP_NUM_THREADS" not in os.environ:
         # verify runs many small ops several times over: intra-op threads only

@@ -45,12 +45,12 @@ def _gradsafe_split() -> Split:
 
 
 def _torch_split() -> Split:
-    import gradsafe
+    from gradsafe.patching import REGISTRY
 
     where = "torch.distributed.pipelining._backward"
     # torch's own functions, even while gradsafe.patch("pipelining") is active.
     found = [
-        cast(Callable[..., Any], gradsafe.get_original(where, name))
+        cast(Callable[..., Any], REGISTRY.get_original(where, name))
         for name in ("stage_backward_input", "stage_backward_weight", "stage_backward")
     ]
     return Split(*found)

@@ -23,9 +23,18 @@ from typing import Any
 import torch
 
 from gradsafe.pipelining import _verify_run
-from gradsafe.pipelining._verify_schedule_worker import SCHEDULES, placement
 
-__all__ = ["SCHEDULES", "ScheduleReport", "verify_schedule"]
+__all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
+
+# Which stages each rank holds: V shape (rank r: r and 2R-1-r) or a loop (r, r+R).
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = (*V_SHAPED, "InterleavedZeroBubble")
+
+
+def placement(schedule: str, ranks: int) -> dict[int, list[int]]:
+    if schedule in V_SHAPED:
+        return {r: [r, 2 * ranks - 1 - r] for r in range(ranks)}
+    return {r: [r, r + ranks] for r in range(ranks)}
 
 _TIMEOUT_S = 300
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -151,7 +160,7 @@ def verify_schedule(
     concatenation along dim 0). Dropout draws other numbers in a schedule than
     in one process: use a model without it (or eval mode) here.
     """
-    from gradsafe._verify_cli import load_factory
+    from gradsafe.pipelining._verify_factory import load_factory
 
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
@@ -234,7 +243,7 @@ def _launch(
             [
                 sys.executable,
                 "-m",
-                "gradsafe.pipelining._verify_schedule_worker",
+                "gradsafe._verify_worker",
                 str(r),
                 port,
                 str(ranks),

@@ -1,4 +1,4 @@
-"""One gloo rank of ``gradsafe verify --schedule`` (started by ``_verify_schedule``).
+"""One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.pipelining._verify_schedule``; it sits on top, beside the command line, because it applies ``gradsafe.patch``).
 
 argv: rank port ranks schedule mode(gradsafe|upstream) spec dtype workdir. Builds the
 stages with the user's factory, loads the initial state the parent saved, runs one
@@ -17,18 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsafe._verify_cli import load_factory
+from gradsafe.pipelining._verify_factory import load_factory
 from gradsafe.pipelining._verify_run import projection_loss
-
-# Which stages each rank holds: V shape (rank r: r and 2R-1-r) or a loop (r, r+R).
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = (*V_SHAPED, "InterleavedZeroBubble")
-
-
-def placement(schedule: str, ranks: int) -> dict[int, list[int]]:
-    if schedule in V_SHAPED:
-        return {r: [r, 2 * ranks - 1 - r] for r in range(ranks)}
-    return {r: [r, r + ranks] for r in range(ranks)}
+from gradsafe.pipelining._verify_schedule import placement
 
 
 def main() -> None:
