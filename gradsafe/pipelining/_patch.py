@@ -14,6 +14,13 @@ of silently receiving gradsafe's functions with other arguments.
 Where ``PipelineStage`` infers output metadata with a forward of its module
 (torch 2.13+), that method is wrapped to run a DDP module's forward under
 ``no_sync``: see :func:`gradsafe.pipelining._stage.inference_without_ddp_prepare`.
+
+Stage metadata inference is made free of side effects (hazard H6, see
+:mod:`gradsafe.pipelining._inference`) wherever the installed torch has it,
+found by the methods it defines (:func:`_inference_targets`): a schedule-wide
+inference (``_PipelineSchedule._initialize_pp_stages``) with per-stage forward
+and backward inference and inputs made from metadata (2.13+), or a per-stage
+forward-only ``_shape_inference`` (2.11).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsafe.patching import AttrTarget, Skip, Target
-from gradsafe.pipelining import _backward, _stage, _torch
+from gradsafe.pipelining import _backward, _inference, _stage, _torch
 
 __all__ = ["plan"]
 
@@ -36,7 +43,14 @@ _OURS: dict[str, Callable[..., Any]] = {
     "stage_backward_weight": _backward.stage_backward_weight,
     "stage_backward": _backward.stage_backward,
 }
+_SCHEDULES = "torch.distributed.pipelining.schedules"
 _METADATA_INFERENCE = "_forward_metadata_inference"
+# Where torch runs stages to infer their metadata: per schedule (2.13+), per
+# stage (2.13+: forward and backward; 2.11: _shape_inference, forward only),
+# and the stage method that materialises an input from metadata (2.13+).
+_SCHEDULE_INFERENCE = "_initialize_pp_stages"
+_STAGE_INFERENCE = (_METADATA_INFERENCE, "_backward_metadata_inference", "_shape_inference")
+_FROM_METADATA = "_to_tensor"
 # The stage must call these (zero-bubble schedules go through them).
 _REQUIRED_CALLS = ("stage_backward_input", "stage_backward_weight")
 
@@ -84,6 +98,7 @@ def _call_site_mismatch(stage: Any, backward: Any) -> str | None:
 
 def plan() -> Sequence[Target] | Skip:
     import torch.distributed.pipelining._backward as backward
+    import torch.distributed.pipelining.schedules as schedules
     import torch.distributed.pipelining.stage as stage
 
     mismatch = _torch.missing_feature() or _call_site_mismatch(stage, backward)
@@ -94,16 +109,37 @@ def plan() -> Sequence[Target] | Skip:
         for module in (_DEFINED_IN, _CALLED_FROM)
         for name, replacement in _OURS.items()
     ]
-    # torch 2.13+ infers a stage's output metadata with a forward of its module;
-    # for a DDP module that forward, outside no_sync, leaves the reducer
-    # prepared, and gradsafe's W (which fires DDP's hooks) then fails.
-    inference = vars(stage.PipelineStage).get(_METADATA_INFERENCE)
-    if inference is not None:
+    return [*targets, *_inference_targets(stage, schedules)]
+
+
+def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
+    """The wrappers that make this torch's stage metadata inference side-effect free."""
+    stage_cls = vars(stage.PipelineStage)
+    targets: list[Target] = []
+    schedule_wide = vars(schedules._PipelineSchedule).get(_SCHEDULE_INFERENCE)
+    if schedule_wide is not None:
         targets.append(
             AttrTarget(
-                _CALLED_FROM,
-                f"PipelineStage.{_METADATA_INFERENCE}",
-                _stage.inference_without_ddp_prepare(inference),
+                _SCHEDULES, f"_PipelineSchedule.{_SCHEDULE_INFERENCE}",
+                _inference.around_schedule_inference(schedule_wide),
+            )
+        )
+    for name in _STAGE_INFERENCE:
+        method = stage_cls.get(name)
+        if method is None:
+            continue
+        wrapped = _inference.around_stage_inference(method)
+        if name == _METADATA_INFERENCE:
+            # For a DDP module the inference forward, outside no_sync, leaves the
+            # reducer prepared, and gradsafe's W (which fires DDP's hooks) then fails.
+            wrapped = _stage.inference_without_ddp_prepare(wrapped)
+        targets.append(AttrTarget(_CALLED_FROM, f"PipelineStage.{name}", wrapped))
+    to_tensor = stage_cls.get(_FROM_METADATA)
+    if to_tensor is not None:
+        targets.append(
+            AttrTarget(
+                _CALLED_FROM, f"PipelineStage.{_FROM_METADATA}",
+                _inference.zero_filled_inputs(to_tensor),
             )
         )
     return targets

@@ -22,6 +22,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   (activation checkpointing), so calling it again would unpack them again;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
   call time, emptied while a gradient is captured at that leaf;
+- ``Tensor._post_accumulate_grad_hooks`` and ``nn.Module``'s backward-hook
+  dicts (per module and the module-global ones): silenced while a stage's
+  metadata inference runs;
 - AOTAutograd's forward-class ``metadata.bw_donated_idxs``: a compiled block
   that donates saved buffers (refused before B runs anything);
 - the text of the engine's ``RuntimeError`` messages (torch raises no typed
@@ -39,10 +42,11 @@ and :func:`missing_feature` reports it before the patch is applied:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -64,6 +68,10 @@ __all__ = [
     "current_exec_group",
     "exec_group",
     "has_hooked_saved",
+    "RngStates",
+    "rng_states",
+    "set_rng_states",
+    "silenced_gradient_hooks",
     "silenced_tensor_hooks",
     "fsdp_counterparts",
     "input_meta",
@@ -143,8 +151,7 @@ def current_exec_group() -> Any:
     return None if getter is None else getter()
 
 
-@contextlib.contextmanager
-def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
     """Keep the leaves' tensor hooks from running while a gradient is captured at them.
 
     ``autograd.grad`` runs a captured input's tensor hooks; B's capture is not
@@ -152,12 +159,40 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     The C++ hook reads the leaf's hook dict when called, so replacing the
     dict's hooks silences them.
     """
+    return _silenced(leaf._backward_hooks for leaf in leaves)
+
+
+def silenced_gradient_hooks(
+    params: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
+) -> contextlib.AbstractContextManager[None]:
+    """Silence every gradient hook a user can register on ``params`` and ``modules`` (and globally).
+
+    Tensor hooks and post-accumulate-grad hooks (``Tensor._backward_hooks``,
+    ``Tensor._post_accumulate_grad_hooks``: read when called), and module
+    backward hooks and pre-hooks, per module and global (``_backward_hooks``,
+    ``_backward_pre_hooks``: read when a forward runs, so silenced across the
+    forward whose backward would fire them).
+    """
+    from torch.nn.modules import module as module_py
+
+    dicts: list[Any] = [module_py._global_backward_hooks, module_py._global_backward_pre_hooks]
+    for param in params:
+        dicts += [param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None)]
+    for root in modules:
+        for sub in root.modules():
+            dicts += [sub._backward_hooks, sub._backward_pre_hooks]
+    return _silenced(dicts)
+
+
+@contextlib.contextmanager
+def _silenced(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
     # Each hook is swapped for a no-op in place, so a hook removed meanwhile
     # (its key deleted) stays removed and one added meanwhile stays.
     saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
-    for leaf in leaves:
-        hooks = leaf._backward_hooks
-        if hooks:
+    seen: set[int] = set()
+    for hooks in dicts:
+        if hooks and id(hooks) not in seen:
+            seen.add(id(hooks))
             saved.append((hooks, list(hooks.items())))
             for key in hooks:
                 hooks[key] = _no_hook
@@ -168,6 +203,25 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
             for key, hook in items:
                 if hooks.get(key) is _no_hook:
                     hooks[key] = hook
+
+
+@dataclasses.dataclass(frozen=True)
+class RngStates:
+    """The CPU generator's state, and every CUDA device's where CUDA is initialised."""
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] | None
+
+
+def rng_states() -> RngStates:
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
+    return RngStates(torch.get_rng_state(), cuda)
+
+
+def set_rng_states(states: RngStates) -> None:
+    torch.set_rng_state(states.cpu)
+    if states.cuda is not None:
+        torch.cuda.set_rng_state_all(list(states.cuda))
 
 
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

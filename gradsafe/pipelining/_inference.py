@@ -1,0 +1,255 @@
+"""Stage metadata inference without side effects (hazard H6; the patch registry installs it).
+
+Before the first microbatch of a schedule's first step, torch infers each
+stage's input/output metadata by running the stage: torch 2.13+ runs every
+stage forward with gradients enabled and, on the last stage, the user's
+``loss_fn`` and a backward to the stage inputs; the inputs of non-first stages
+are ``torch.empty`` (uninitialised memory). torch 2.11 runs the forwards only,
+under ``no_grad`` on zeros. A ``loss_fn`` that runs a backward inside itself
+(a chunked or fused cross-entropy loss) then accumulates a gradient computed
+from garbage into the parameters' ``.grad`` before training starts, and
+parameter hooks (optimizer-in-backward, gradient reducers) fire for it; a
+train-mode forward updates BatchNorm statistics; dropout draws from the RNG.
+
+gradsafe makes the inference an observer: inputs built from metadata are
+zeros, and an :class:`InferenceSnapshot` taken before the first stage runs puts
+back after the last one every parameter's ``.grad`` (the same tensor object)
+and ``main_grad``, every module buffer and the CPU (and initialised CUDA) RNG
+state, while parameter and module backward hooks are silenced. What it cannot
+undo, a parameter changed in place (an optimizer stepped inside ``loss_fn``),
+it refuses with :class:`MetadataInferenceError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsafe.pipelining import _torch
+
+__all__ = [
+    "InferenceSnapshot",
+    "MetadataInferenceError",
+    "around_schedule_inference",
+    "around_stage_inference",
+    "zero_filled_inputs",
+]
+
+
+class MetadataInferenceError(RuntimeError):
+    """Stage metadata inference changed state gradsafe cannot put back."""
+
+
+class SnapshotState(enum.Enum):
+    """Where an :class:`InferenceSnapshot` is in its life."""
+
+    #: Taken: gradients are parked, hooks silenced; the inference may run.
+    TAKEN = "taken"
+    #: Restored: everything is back; the snapshot holds nothing.
+    RESTORED = "restored"
+
+
+@dataclasses.dataclass
+class _ParamRecord:
+    param: torch.Tensor
+    grad: torch.Tensor | None
+    version: int
+    main_grad: torch.Tensor | None
+    main_grad_copy: torch.Tensor | None
+    main_grad_version: int
+
+
+@dataclasses.dataclass
+class _BufferRecord:
+    module: nn.Module
+    name: str
+    buffer: torch.Tensor
+    copy: torch.Tensor
+    version: int
+
+
+class InferenceSnapshot:
+    """What metadata inference may change, taken before it and put back once after it.
+
+    :meth:`take` parks every parameter's ``.grad`` (the parameter's ``.grad``
+    is ``None`` while the inference runs, so nothing it accumulates reaches
+    the caller's tensor), copies ``main_grad`` and the buffers, saves the RNG
+    states and silences the parameters' tensor and post-accumulate-grad hooks
+    and the modules' backward hooks. :meth:`restore` reverses all of it and
+    then raises :class:`MetadataInferenceError` if a parameter was changed in
+    place meanwhile.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self._modules = list(modules)
+        self._params: list[_ParamRecord] = []
+        self._buffers: list[_BufferRecord] = []
+        self._rng: _torch.RngStates | None = None
+        self._hooks = contextlib.ExitStack()
+        self.state: SnapshotState | None = None
+
+    @classmethod
+    def take(cls, modules: Sequence[nn.Module]) -> InferenceSnapshot:
+        snapshot = cls(modules)
+        snapshot._take()
+        return snapshot
+
+    def _take(self) -> None:
+        params = _unique(p for m in self._modules for p in m.parameters())
+        with torch.no_grad():
+            for param in params:
+                main_grad = getattr(param, "main_grad", None)
+                main_grad = main_grad if isinstance(main_grad, torch.Tensor) else None
+                self._params.append(
+                    _ParamRecord(
+                        param, param.grad, param._version, main_grad,
+                        None if main_grad is None else main_grad.clone(),
+                        -1 if main_grad is None else main_grad._version,
+                    )
+                )
+            for module in _unique(sub for m in self._modules for sub in m.modules()):
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        self._buffers.append(
+                            _BufferRecord(module, name, buffer, buffer.clone(), buffer._version)
+                        )
+        self._rng = _torch.rng_states()
+        self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
+        for record in self._params:
+            record.param.grad = None
+        self.state = SnapshotState.TAKEN
+
+    def restore(self) -> None:
+        """Put everything back; raise :class:`MetadataInferenceError` for what cannot be."""
+        if self.state is not SnapshotState.TAKEN:
+            raise MetadataInferenceError(
+                f"an inference snapshot can be restored once, after it is taken (it is {self.state})"
+            )
+        self.state = SnapshotState.RESTORED
+        self._hooks.close()
+        changed = []
+        with torch.no_grad():
+            for record in self._params:
+                record.param.grad = record.grad
+                if record.main_grad is not None:
+                    record.param.main_grad = record.main_grad  # type: ignore[attr-defined]
+                    if record.main_grad._version != record.main_grad_version:
+                        record.main_grad.copy_(record.main_grad_copy)  # type: ignore[arg-type]
+                if record.param._version != record.version:
+                    changed.append(record.param)
+            for buf in self._buffers:
+                buf.module._buffers[buf.name] = buf.buffer
+                if buf.buffer._version != buf.version:
+                    buf.buffer.copy_(buf.copy)
+        if self._rng is not None:
+            _torch.set_rng_states(self._rng)
+        names = _names(self._modules, changed)
+        self._params, self._buffers, self._rng, self._modules = [], [], None, []
+        if changed:
+            raise MetadataInferenceError(
+                f"parameter(s) {', '.join(names)} changed in place while the pipeline stages "
+                "inferred their metadata. Before the first microbatch of the first step torch "
+                "runs each stage forward and the loss_fn once, on zeros, and gradsafe puts "
+                "gradients, buffers and RNG back afterwards, but it cannot undo a parameter "
+                "update (e.g. an optimizer stepped inside loss_fn or a hook). Fix: step the "
+                "optimizer after schedule.step(), or give every PipelineStage its input_args "
+                "and output_args so no inference runs."
+            )
+
+
+def _unique(items: Iterable[Any]) -> list[Any]:
+    return list({id(item): item for item in items}.values())
+
+
+def _names(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> list[str]:
+    wanted = {id(p) for p in params}
+    found = {
+        id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)
+    }
+    return [found.get(i, "<unnamed>") for i in wanted]
+
+
+class _Run:
+    """One schedule's metadata inference: the snapshot is taken when a stage first runs."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = modules
+        self.snapshot: InferenceSnapshot | None = None
+
+    def ensure_taken(self) -> None:
+        if self.snapshot is None:
+            self.snapshot = InferenceSnapshot.take(self.modules)
+
+
+_CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
+    "gradsafe_metadata_inference", default=None
+)
+
+
+@contextlib.contextmanager
+def _inference_run(modules: Sequence[nn.Module]) -> Iterator[_Run]:
+    run = _Run(modules)
+    token = _CURRENT.set(run)
+    try:
+        yield run
+    finally:
+        _CURRENT.reset(token)
+        if run.snapshot is not None:
+            run.snapshot.restore()
+
+
+def _loss_modules(loss_fn: object) -> list[nn.Module]:
+    # A loss that owns parameters (an nn.Module, or a method of one) can
+    # accumulate into them too.
+    owner = getattr(loss_fn, "__self__", loss_fn)
+    return [owner] if isinstance(owner, nn.Module) else []
+
+
+def around_schedule_inference(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineSchedule._initialize_pp_stages``: one snapshot over all its stages' inference."""
+
+    @functools.wraps(original)
+    def _initialize_pp_stages(self: Any, stages: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        modules = [stage.submod for stage in stages]
+        with _inference_run([*modules, *_loss_modules(getattr(self, "_loss_fn", None))]):
+            return original(self, stages, *args, **kwargs)
+
+    return _initialize_pp_stages
+
+
+def around_stage_inference(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a stage's inference method: snapshot before it, unless a schedule-wide run already has one."""
+
+    @functools.wraps(original)
+    def inference(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = _CURRENT.get()
+        if run is not None:
+            run.ensure_taken()
+            return original(self, *args, **kwargs)
+        with _inference_run([self.submod]) as own:
+            own.ensure_taken()
+            return original(self, *args, **kwargs)
+
+    return inference
+
+
+def zero_filled_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``PipelineStage._to_tensor``: a tensor made from metadata (not copied) is zeros."""
+
+    @functools.wraps(original)
+    def _to_tensor(self: Any, arg: Any) -> Any:
+        tensor = original(self, arg)
+        if not isinstance(arg, torch.Tensor) and isinstance(tensor, torch.Tensor):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
+
+    return _to_tensor
