@@ -15,12 +15,14 @@ from gradsafe.pipelining._backward import (
     stage_backward_weight,
 )
 from gradsafe.pipelining._handoff import HandoffState, SplitBackwardError, WeightGradHandoff
+from gradsafe.pipelining._inference import MetadataInferenceError
 from gradsafe.pipelining._verify import ORDERS, verify
 from gradsafe.pipelining._verify_report import VerifyReport
 
 __all__ = [
     "ORDERS",
     "HandoffState",
+    "MetadataInferenceError",
     "SplitBackwardError",
     "VerifyReport",
     "WeightGradHandoff",

@@ -64,7 +64,6 @@ class _ParamRecord:
     version: int
     main_grad: torch.Tensor | None
     main_grad_copy: torch.Tensor | None
-    main_grad_version: int
 
 
 @dataclasses.dataclass
@@ -73,7 +72,6 @@ class _BufferRecord:
     name: str
     buffer: torch.Tensor
     copy: torch.Tensor
-    version: int
 
 
 class InferenceSnapshot:
@@ -112,14 +110,13 @@ class InferenceSnapshot:
                     _ParamRecord(
                         param, param.grad, param._version, main_grad,
                         None if main_grad is None else main_grad.clone(),
-                        -1 if main_grad is None else main_grad._version,
                     )
                 )
             for module in _unique(sub for m in self._modules for sub in m.modules()):
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         self._buffers.append(
-                            _BufferRecord(module, name, buffer, buffer.clone(), buffer._version)
+                            _BufferRecord(module, name, buffer, buffer.clone())
                         )
         self._rng = _torch.rng_states()
         self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
@@ -141,14 +138,14 @@ class InferenceSnapshot:
                 record.param.grad = record.grad
                 if record.main_grad is not None:
                     record.param.main_grad = record.main_grad  # type: ignore[attr-defined]
-                    if record.main_grad._version != record.main_grad_version:
-                        record.main_grad.copy_(record.main_grad_copy)  # type: ignore[arg-type]
+                    record.main_grad.copy_(record.main_grad_copy)  # type: ignore[arg-type]
                 if record.param._version != record.version:
                     changed.append(record.param)
             for buf in self._buffers:
                 buf.module._buffers[buf.name] = buf.buffer
-                if buf.buffer._version != buf.version:
-                    buf.buffer.copy_(buf.copy)
+                # Always copied: kernels that update buffers (BatchNorm's running
+                # statistics) do not bump their version counters.
+                buf.buffer.copy_(buf.copy)
         if self._rng is not None:
             _torch.set_rng_states(self._rng)
         names = _names(self._modules, changed)
