@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -163,14 +164,14 @@ class ChunkedHeadLoss:
         self.calls += 1
         training = hidden.requires_grad
         total = hidden.new_zeros(())
-        grads = []
+        grads: list[torch.Tensor] = []
         for piece, goal in zip(hidden.detach().chunk(self.chunks, 1), target.chunk(self.chunks, 1)):
             piece.requires_grad_(training)
             loss = (self.head(piece) - goal).square().mean()
             total = total + loss.detach()
             if training:
                 loss.backward()
-                grads.append(piece.grad)
+                grads.append(piece.grad if piece.grad is not None else torch.zeros_like(piece))
         if not training:
             return total
         return _RouteGradient.apply(hidden, torch.cat(grads, 1), total)  # type: ignore[no-any-return]
@@ -322,7 +323,7 @@ def worst_relative_error(run: PipelineRun, reference: PipelineRun) -> tuple[str,
         else:
             scale = expected.abs().max().item() or 1.0
             error = (got - expected).abs().max().item() / scale
-            error = error if error == error else float("inf")  # NaN counts as infinitely off
+            error = float("inf") if math.isnan(error) else error
         if error > worst[1] or not worst[0]:
             worst = (name, error)
     return worst

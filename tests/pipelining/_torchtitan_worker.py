@@ -1,8 +1,12 @@
 """torchtitan's own trainer, llama3 debug model, pipeline-parallel under ScheduleZBVZeroBubble.
 
 Run by test_torchtitan.py. argv: ``rank port mode(gradsafe|upstream) pp dp ac(selective|none)
-reshard(default|always|never) outdir``, or ``reference outdir ranks dp`` (one process, no
-process group).
+reshard(default|always|never) fsdp(on|off) schedule outdir``, or ``reference outdir ranks dp``
+(one process, no process group). ``schedule`` is torchtitan's name (``ZBVZeroBubble``,
+``InterleavedZeroBubble``, ``DualPipeV``); ``fsdp off`` (with dp 1) skips torchtitan's
+``apply_fsdp_to_decoder``, so the chunked loss's per-chunk backward accumulates into a plain
+``lm_head.weight.grad`` (hazard H6: torch's metadata inference runs that loss once on
+uninitialised stage inputs, and without FSDP nothing clears what it accumulated).
 
 A training rank builds ``llama3_debugmodel()``'s ``Trainer`` with as few changes as make it run on
 CPU with gloo and compare in fp32 (see ``config()``), trains STEPS steps with ``trainer.train()``
@@ -147,7 +151,10 @@ def microbatches(dp_rank: int, vocab: int, batch: int, seq_len: int) -> list[tor
     ]
 
 
-def config(pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str) -> Any:
+def config(
+    pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str,
+    schedule: str = "ZBVZeroBubble",
+) -> Any:
     """``llama3_debugmodel()`` as torchtitan ships it, changed only where this test must.
 
     - 2 of its 6 transformer layers: with ZBV's 4 stages on PP 2, the layer split gives stage 0
@@ -182,7 +189,7 @@ def config(pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str)
     training.disable_cuda_graphs = True
     parallelism = cfg.parallelism
     parallelism.pipeline_parallel_degree = pp
-    parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
+    parallelism.pipeline_parallel_schedule = schedule
     parallelism.pipeline_parallel_microbatch_size = 1
     parallelism.data_parallel_shard_degree = dp
     if dp > 1:
@@ -213,14 +220,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else t).detach().clone()
 
 
-def train(rank: int, port: str, mode: str, pp: int, dp: int, ac: str, reshard: str, outdir: str) -> None:
+def _without_fsdp() -> None:
+    """torchtitan's llama3 parallelize, minus FSDP2 (it applies it even at shard degree 1)."""
+    from torchtitan.models.llama3 import parallelize
+
+    parallelize.apply_fsdp_to_decoder = lambda *args, **kwargs: None
+
+
+def train(
+    rank: int, port: str, mode: str, pp: int, dp: int, ac: str, reshard: str, fsdp: str,
+    schedule: str, outdir: str,
+) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp * dp),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
     )
     result: dict[str, Any] = {"steps": []}
     try:
-        cfg = config(pp, dp, ac == "selective", reshard, outdir)
+        cfg = config(pp, dp, ac == "selective", reshard, outdir, schedule)
+        if fsdp == "off":
+            _without_fsdp()
         trainer = cfg.build()
         parts = trainer.model_parts
         from torch.distributed.fsdp import FSDPModule
@@ -297,8 +316,8 @@ def main() -> None:
     if sys.argv[1] == "reference":
         reference(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
-    rank, port, mode, pp, dp, ac, reshard, outdir = sys.argv[1:9]
-    train(int(rank), port, mode, int(pp), int(dp), ac, reshard, outdir)
+    rank, port, mode, pp, dp, ac, reshard, fsdp, schedule, outdir = sys.argv[1:11]
+    train(int(rank), port, mode, int(pp), int(dp), ac, reshard, fsdp, schedule, outdir)
 
 
 if __name__ == "__main__":
