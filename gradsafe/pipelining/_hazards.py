@@ -26,6 +26,7 @@ __all__ = [
     "PipelineRun",
     "accumulation_reference",
     "inference_leaves_no_trace",
+    "norm_and_dropout",
     "one_rank_world",
     "pipeline_step",
     "ParamOnlyOutput",
@@ -329,31 +330,46 @@ def worst_relative_error(run: PipelineRun, reference: PipelineRun) -> tuple[str,
     return worst
 
 
+def norm_and_dropout() -> nn.Module:
+    """The first stage's extra layers in the doctor's H6 row: running statistics and RNG draws."""
+    return nn.Sequential(nn.BatchNorm1d(_SEQ), nn.Dropout(0.5)).double()
+
+
 def inference_leaves_no_trace(schedule: str = "ScheduleInterleaved1F1B") -> Outcome:
-    """H6: a loss with a backward inside it, gradients and hook firings against accumulation."""
-    reference = accumulation_reference()
+    """H6: one step against accumulation: gradients, BatchNorm statistics, hook firings.
+
+    The loss runs a backward inside itself (torch >= 2.13 runs it in the
+    inference), the first stage has a BatchNorm (whose statistics the
+    inference forward updates) and a dropout (whose masks shift if the
+    inference draws from the RNG).
+    """
+    reference = accumulation_reference(norm_and_dropout)
     note = ""
     try:
         with one_rank_world():
-            run = pipeline_step(schedule)
+            run = pipeline_step(schedule, norm_and_dropout)
     except RuntimeError as exc:
         if "process group exists" in str(exc):
             return Outcome(None, f"not measured: {exc}")
         if _SELF_SEND not in str(exc):
             raise
         # torch 2.11 sends between two stages of one rank over gloo, which
-        # gloo refuses; one stage holding both blocks still runs the loss.
+        # gloo refuses; one stage holding both blocks runs the same inference.
         note = " (one stage: this torch cannot run two on one gloo rank)"
         with one_rank_world():
-            run = pipeline_step("Schedule1F1B", stages=1)
+            run = pipeline_step("Schedule1F1B", norm_and_dropout, stages=1)
     name, error = worst_relative_error(run, reference)
-    if error > 1e-12 or run.hook_firings != reference.hook_firings:
+    moved = [k for k, v in reference.buffers.items() if not torch.equal(run.buffers[k], v)]
+    if error > 1e-12 or moved or run.hook_firings != reference.hook_firings:
+        statistics = ", BatchNorm statistics moved" if moved else ""
         return Outcome(
             False,
-            f"{name} grad {error:.2g} relative off, {run.hook_firings} hook firings "
-            f"(accumulation: {reference.hook_firings}){note}",
+            f"{name} grad {error:.2g} relative off{statistics}, {run.hook_firings} hook "
+            f"firings (accumulation: {reference.hook_firings}){note}",
         )
-    return Outcome(True, f"grads and {run.hook_firings} hook firings equal accumulation{note}")
+    return Outcome(
+        True, f"grads, statistics and {run.hook_firings} hook firings equal accumulation{note}"
+    )
 
 
 _SELF_SEND = "Pair is not connected"
