@@ -14,13 +14,19 @@ from gradsafe.pipelining._backward import (
     stage_backward_input,
     stage_backward_weight,
 )
-from gradsafe.pipelining._handoff import HandoffState, SplitBackwardError, WeightGradHandoff
+from gradsafe.pipelining._handoff import (
+    GradientEdgeRootError,
+    HandoffState,
+    SplitBackwardError,
+    WeightGradHandoff,
+)
 from gradsafe.pipelining._inference import MetadataInferenceError
 from gradsafe.pipelining._verify import ORDERS, verify
 from gradsafe.pipelining._verify_report import VerifyReport
 
 __all__ = [
     "ORDERS",
+    "GradientEdgeRootError",
     "HandoffState",
     "MetadataInferenceError",
     "SplitBackwardError",

@@ -15,6 +15,7 @@ from gradsafe.pipelining._torch import DONATED_BUFFERS, engine_error
 from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, deliver, leaf_grads
 
 __all__ = [
+    "GradientEdgeRootError",
     "HandoffState",
     "SplitBackwardError",
     "WeightGradHandoff",
@@ -49,6 +50,15 @@ class SplitBackwardError(RuntimeError):
     weight-side nodes run there) before W's single delivery step. The one
     failure that can come after some gradients were accumulated is a user
     parameter hook's own exception, which propagates as is.
+    """
+
+
+class GradientEdgeRootError(SplitBackwardError, AssertionError):
+    """A ``GradientEdge`` root (a released activation) came without its output gradient.
+
+    Also an ``AssertionError``: torch's split raises one for this condition
+    (2.15: "A GradientEdge root requires output gradients ..."), so an
+    ``except`` clause written for torch's exception catches gradsafe's too.
     """
 
 

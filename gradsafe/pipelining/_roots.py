@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from gradsafe.pipelining._handoff import SplitBackwardError, detached_by_split
+from gradsafe.pipelining._handoff import (
+    GradientEdgeRootError,
+    SplitBackwardError,
+    detached_by_split,
+)
 from gradsafe.pipelining._torch import input_meta
 
 __all__ = ["Root", "collect_roots", "tensor_list"]
@@ -42,9 +46,12 @@ def collect_roots(output: Any, grad: Any) -> list[Root]:
     return roots
 
 
-def _implied_grad(shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _implied_grad(
+    shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device,
+    error: type[SplitBackwardError] = SplitBackwardError,
+) -> torch.Tensor:
     if math.prod(shape) != 1:
-        raise SplitBackwardError(
+        raise error(
             f"stage output {path} requires grad but its output gradient is None, and a gradient "
             "can only be implied for a single-element output (a loss). Pass its gradient, or a "
             "zero tensor if it gets none."
@@ -89,7 +96,7 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
             )
         shape, dtype, device = input_meta(output.node, output.output_nr)
         if grad is None:
-            grad = _implied_grad(shape, path, dtype, device)
+            grad = _implied_grad(shape, path, dtype, device, GradientEdgeRootError)
         elif grad.shape != shape:
             raise SplitBackwardError(
                 f"GradientEdge {path} expects a gradient of shape {tuple(shape)}, got "

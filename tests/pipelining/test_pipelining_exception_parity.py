@@ -1,0 +1,70 @@
+"""gradsafe's split raises what torch's raises where both refuse the same call.
+
+Where torch raises a ``RuntimeError`` (it wraps most failures of its split in
+one), gradsafe's ``SplitBackwardError`` is one. Where torch raises an
+``AssertionError`` (2.15: a ``GradientEdge`` root without output gradients),
+gradsafe's error is also an ``AssertionError``, so ``except`` clauses written
+for torch's exception catch gradsafe's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.distributed.pipelining import _backward as torch_split
+
+from gradsafe.pipelining import GradientEdgeRootError, SplitBackwardError, stage_backward, stage_backward_input
+
+
+def _edge_without_grads() -> tuple[Any, ...]:
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    return [get_gradient_edge(lin(x))], None, [x], lin.parameters()
+
+
+def _grad_of_wrong_type() -> tuple[Any, ...]:
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    return [lin(x)], ["not a tensor"], [x], lin.parameters()
+
+
+def _torch_raises(fn: Callable[..., Any], args: tuple[Any, ...]) -> type[BaseException] | None:
+    try:
+        fn(*args)
+    except Exception as exc:  # what torch raises is what is measured
+        return type(exc)
+    return None
+
+
+def test_a_gradient_edge_root_without_output_gradients_is_an_assertion_error_too() -> None:
+    with pytest.raises(GradientEdgeRootError) as raised:
+        stage_backward_input(*_edge_without_grads())
+    assert isinstance(raised.value, AssertionError) and isinstance(raised.value, SplitBackwardError)
+    assert isinstance(raised.value, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "case, split",
+    [
+        (_edge_without_grads, "stage_backward_input"),
+        (_grad_of_wrong_type, "stage_backward_input"),
+        (_grad_of_wrong_type, "stage_backward"),
+    ],
+)
+def test_gradsafe_error_is_caught_where_torch_error_would_be(
+    case: Callable[[], tuple[Any, ...]], split: str
+) -> None:
+    args = case()
+    if split == "stage_backward":
+        args = args[:3]
+    expected = _torch_raises(getattr(torch_split, split), args)
+    if expected is None or not issubclass(expected, (RuntimeError, AssertionError)):
+        pytest.skip(f"torch's {split} raises {expected} here (not a refusal of the call)")
+    ours = stage_backward_input if split == "stage_backward_input" else stage_backward
+    with pytest.raises(expected):
+        ours(*case()[: len(args)])
