@@ -74,6 +74,7 @@ __all__ = [
     "silenced_gradient_hooks",
     "silenced_tensor_hooks",
     "fsdp_counterparts",
+    "grad_target",
     "input_meta",
     "is_python_node",
     "is_view",
@@ -106,6 +107,23 @@ def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torc
     """Shape, dtype and device of the gradient ``node`` expects at input ``input_nr``."""
     meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
     return torch.Size(meta.shape), meta.dtype, meta.device
+
+
+def grad_target(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype | None]:
+    """Shape and dtype the engine gives a gradient on its way into ``node``'s input ``input_nr``.
+
+    The dtype is None where the engine keeps the gradient's own dtype: an
+    ``AccumulateGrad`` whose leaf has ``grad_dtype`` None (FSDP2 sets that
+    while gradients accumulate in a wider dtype than the parameter's, e.g. an
+    fp32-computed RMSNorm weight gradient of a bf16 parameter). For a leaf,
+    its ``grad_dtype`` is what the engine casts to, which the node's input
+    metadata (always the parameter's dtype) does not show.
+    """
+    shape, dtype, _ = input_meta(node, input_nr)
+    leaf = leaf_variable(node)
+    if leaf is not None and hasattr(leaf, "grad_dtype"):
+        return shape, leaf.grad_dtype
+    return shape, dtype
 
 
 def is_view(tensor: torch.Tensor) -> bool:

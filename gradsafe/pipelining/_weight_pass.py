@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._torch import call_node, input_meta, silenced_tensor_hooks
+from gradsafe.pipelining._torch import call_node, grad_target, silenced_tensor_hooks
 
 __all__ = [
     "EdgeKey",
@@ -100,8 +100,9 @@ class GradSums(dict[EdgeKey, torch.Tensor]):
         self.owned: dict[EdgeKey, weakref.ref[torch.Tensor]] = {}
         # The engine reduces broadcast gradients and casts dtypes between
         # nodes (validate_outputs); a direct call does not, so add_grad does,
-        # against each edge's input metadata (read once per edge).
-        self.meta: dict[EdgeKey, tuple[torch.Size, torch.dtype]] = {}
+        # against each edge's input metadata (read once per edge; dtype None:
+        # a leaf whose grad_dtype is None, whose gradient the engine keeps as is).
+        self.meta: dict[EdgeKey, tuple[torch.Size, torch.dtype | None]] = {}
 
 
 def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
@@ -110,12 +111,11 @@ def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | Non
     key = (node, input_nr)
     meta = sums.meta.get(key)
     if meta is None:
-        shape, dtype, _ = input_meta(node, input_nr)
-        meta = sums.meta[key] = (shape, dtype)
+        meta = sums.meta[key] = grad_target(node, input_nr)
     shape, dtype = meta
     if grad.shape != shape:
         grad = grad.sum_to_size(shape)
-    if grad.dtype != dtype:
+    if dtype is not None and grad.dtype != dtype:
         grad = grad.to(dtype)
     held = sums.get(key)
     if held is None:
