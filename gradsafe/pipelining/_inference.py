@@ -214,10 +214,11 @@ def around_schedule_inference(original: Callable[..., Any]) -> Callable[..., Any
     """Wrap ``_PipelineSchedule._initialize_pp_stages``: one snapshot over all its stages' inference."""
 
     @functools.wraps(original)
-    def _initialize_pp_stages(self: Any, stages: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+    def _initialize_pp_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stages = kwargs["stages"] if "stages" in kwargs else args[0]
         modules = [stage.submod for stage in stages]
         with _inference_run([*modules, *_loss_modules(getattr(self, "_loss_fn", None))]):
-            return original(self, stages, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
     return _initialize_pp_stages
 
