@@ -154,8 +154,9 @@ class InferenceSnapshot:
             raise MetadataInferenceError(
                 f"parameter(s) {', '.join(names)} changed in place while the pipeline stages "
                 "inferred their metadata. Before the first microbatch of the first step torch "
-                "runs each stage forward and the loss_fn once, on zeros, and gradsafe puts "
-                "gradients, buffers and RNG back afterwards, but it cannot undo a parameter "
+                "runs each stage forward and the loss_fn once (the first stage on the first "
+                "microbatch, the others on zeros), and gradsafe puts gradients, buffers and "
+                "RNG back afterwards, but it cannot undo a parameter "
                 "update (e.g. an optimizer stepped inside loss_fn or a hook). Fix: step the "
                 "optimizer after schedule.step(), or give every PipelineStage its input_args "
                 "and output_args so no inference runs."
@@ -171,7 +172,7 @@ def _names(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> list
     found = {
         id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)
     }
-    return [found.get(i, "<unnamed>") for i in wanted]
+    return sorted(found.get(i, "<unnamed>") for i in wanted)
 
 
 class _Run:
