@@ -104,3 +104,27 @@ def test_direct_call_on_a_torch_lacking_a_feature_refuses_before_any_gradient(
     with pytest.raises(SplitBackwardError, match=re.escape(f"torch {torch.__version__}: autograd nodes")):
         stage_backward_input([x * w], [torch.ones(2)], [x], [w])
     assert x.grad is None and w.grad is None
+
+
+def test_inference_wrappers_follow_the_methods_torch_defines() -> None:
+    # H6: whichever of torch's inference methods exist are wrapped, found by
+    # probing the classes (2.13+: schedule-wide, per stage, _to_tensor; 2.11:
+    # _shape_inference), and nothing else of the stage is touched.
+    import types
+
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+
+    from gradsafe.pipelining import _patch
+
+    wrapped = {t.where.rsplit(".", 1)[1] for t in _patch._inference_targets(stage, schedules)}
+    defined = set(vars(stage.PipelineStage)) | set(vars(schedules._PipelineSchedule))
+    candidates = {"_initialize_pp_stages", "_forward_metadata_inference",
+                  "_backward_metadata_inference", "_shape_inference", "_to_tensor"}
+    assert wrapped == candidates & defined and wrapped
+
+    bare = types.SimpleNamespace(
+        PipelineStage=type("PipelineStage", (), {}),
+    )
+    no_schedule = types.SimpleNamespace(_PipelineSchedule=type("_PipelineSchedule", (), {}))
+    assert _patch._inference_targets(bare, no_schedule) == []
