@@ -16,6 +16,7 @@ from gradsafe.pipelining._backward import (
 )
 from gradsafe.pipelining._handoff import (
     GradientEdgeRootError,
+    GradientTypeError,
     HandoffState,
     SplitBackwardError,
     WeightGradHandoff,
@@ -27,6 +28,7 @@ from gradsafe.pipelining._verify_report import VerifyReport
 __all__ = [
     "ORDERS",
     "GradientEdgeRootError",
+    "GradientTypeError",
     "HandoffState",
     "MetadataInferenceError",
     "SplitBackwardError",

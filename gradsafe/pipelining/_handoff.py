@@ -16,6 +16,7 @@ from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, deliver
 
 __all__ = [
     "GradientEdgeRootError",
+    "GradientTypeError",
     "HandoffState",
     "SplitBackwardError",
     "WeightGradHandoff",
@@ -59,6 +60,14 @@ class GradientEdgeRootError(SplitBackwardError, AssertionError):
     Also an ``AssertionError``: torch's split raises one for this condition
     (2.15: "A GradientEdge root requires output gradients ..."), so an
     ``except`` clause written for torch's exception catches gradsafe's too.
+    """
+
+
+class GradientTypeError(SplitBackwardError, TypeError):
+    """An output gradient that is neither a Tensor nor None.
+
+    Also a ``TypeError``: torch's split raises one for this (2.11, from
+    autograd; later releases wrap it in a ``RuntimeError``, which this is too).
     """
 
 

@@ -17,6 +17,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradsafe.pipelining._handoff import (
     GradientEdgeRootError,
+    GradientTypeError,
     SplitBackwardError,
     detached_by_split,
 )
@@ -69,7 +70,7 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
     # pairing rule (and every refusal it makes) reads in one place.
     if isinstance(output, torch.Tensor):
         if grad is not None and not isinstance(grad, torch.Tensor):
-            raise SplitBackwardError(
+            raise GradientTypeError(
                 f"the output gradient for stage output {path} is a {type(grad).__name__}; "
                 "expected a Tensor or None."
             )
@@ -90,7 +91,7 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
         roots.append(Root(get_gradient_edge(output), grad, output))
     elif isinstance(output, GradientEdge):
         if grad is not None and not isinstance(grad, torch.Tensor):
-            raise SplitBackwardError(
+            raise GradientTypeError(
                 f"the output gradient for GradientEdge {path} is a {type(grad).__name__}; "
                 "expected a Tensor or None."
             )
