@@ -101,10 +101,14 @@ def main() -> None:
         args.dim, args.seq, args.reps = 64, 16, 3
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
-          + f", {os.cpu_count()} cores (shared), 1 intra-op thread")
-    print(f"2 stages x {args.layers} blocks (d={args.dim}, seq {args.seq}, +BatchNorm), "
-          f"{_MICROBATCHES} microbatches of {args.batch}, ScheduleInterleaved1F1B, {args.reps} reps")
+    print(
+        f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
+        + f", {os.cpu_count()} cores (shared), 1 intra-op thread"
+    )
+    print(
+        f"2 stages x {args.layers} blocks (d={args.dim}, seq {args.seq}, +BatchNorm), "
+        f"{_MICROBATCHES} microbatches of {args.batch}, ScheduleInterleaved1F1B, {args.reps} reps"
+    )
     times: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     with one_rank_world():
         _one(args, False), _one(args, True)  # warm-up
@@ -118,8 +122,10 @@ def main() -> None:
         for p in module.parameters():
             p.grad = torch.zeros_like(p)
     snapshot = [_timed(lambda: InferenceSnapshot.take(modules).restore()) for _ in range(args.reps)]
-    print(f"{'':22}{'torch ms (min/med)':>22}{'gradsafe ms (min/med)':>24}"
-          f"{'ratio wall (min/med)':>24}{'ratio cpu (min/med)':>22}")
+    print(
+        f"{'':22}{'torch ms (min/med)':>22}{'gradsafe ms (min/med)':>24}"
+        f"{'ratio wall (min/med)':>24}{'ratio cpu (min/med)':>22}"
+    )
     for what in ("step 1 (inference)", "step 2"):
         up, gs = times[(what, False)], times[(what, True)]
         row = []
@@ -127,15 +133,19 @@ def main() -> None:
             a, b = [t[k] for t in up], [t[k] for t in gs]
             row.append((min(a), statistics.median(a), min(b), statistics.median(b)))
         wall, cpu = row
-        print(f"{what:22}{wall[0] * 1e3:>10.1f} / {wall[1] * 1e3:<9.1f}{wall[2] * 1e3:>12.1f} / "
-              f"{wall[3] * 1e3:<9.1f}{wall[2] / wall[0]:>12.3f} / {wall[3] / wall[1]:<9.3f}"
-              f"{cpu[2] / cpu[0]:>10.3f} / {cpu[3] / cpu[1]:<9.3f}")
+        print(
+            f"{what:22}{wall[0] * 1e3:>10.1f} / {wall[1] * 1e3:<9.1f}{wall[2] * 1e3:>12.1f} / "
+            f"{wall[3] * 1e3:<9.1f}{wall[2] / wall[0]:>12.3f} / {wall[3] / wall[1]:<9.3f}"
+            f"{cpu[2] / cpu[0]:>10.3f} / {cpu[3] / cpu[1]:<9.3f}"
+        )
 
     first_step = min(t[0] for t in times[("step 1 (inference)", False)])
     took = [t[0] for t in snapshot]
-    print(f"snapshot take + restore alone (both stages): {min(took) * 1e3:.2f} / "
-          f"{statistics.median(took) * 1e3:.2f} ms (min/med) = "
-          f"{min(took) / first_step:.4f} of torch's step 1 (min)")
+    print(
+        f"snapshot take + restore alone (both stages): {min(took) * 1e3:.2f} / "
+        f"{statistics.median(took) * 1e3:.2f} ms (min/med) = "
+        f"{min(took) / first_step:.4f} of torch's step 1 (min)"
+    )
 
 
 if __name__ == "__main__":

@@ -108,16 +108,17 @@ class InferenceSnapshot:
                 main_grad = main_grad if isinstance(main_grad, torch.Tensor) else None
                 self._params.append(
                     _ParamRecord(
-                        param, param.grad, param._version, main_grad,
+                        param,
+                        param.grad,
+                        param._version,
+                        main_grad,
                         None if main_grad is None else main_grad.clone(),
                     )
                 )
             for module in _unique(sub for m in self._modules for sub in m.modules()):
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
-                        self._buffers.append(
-                            _BufferRecord(module, name, buffer, buffer.clone())
-                        )
+                        self._buffers.append(_BufferRecord(module, name, buffer, buffer.clone()))
         self._rng = _torch.rng_states()
         self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
         for record in self._params:
@@ -169,9 +170,7 @@ def _unique(items: Iterable[Any]) -> list[Any]:
 
 def _names(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> list[str]:
     wanted = {id(p) for p in params}
-    found = {
-        id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)
-    }
+    found = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
     return sorted(found.get(i, "<unnamed>") for i in wanted)
 
 

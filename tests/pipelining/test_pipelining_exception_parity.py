@@ -19,7 +19,12 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import _backward as torch_split
 
-from gradsafe.pipelining import GradientEdgeRootError, SplitBackwardError, stage_backward, stage_backward_input
+from gradsafe.pipelining import (
+    GradientEdgeRootError,
+    SplitBackwardError,
+    stage_backward,
+    stage_backward_input,
+)
 
 
 def _edge_without_grads() -> tuple[Any, ...]:

@@ -73,7 +73,8 @@ def test_fsdp2_bf16_rmsnorm_weights_equal_the_fused_schedule_bitwise(schedule: s
         runner.step(x, target=t)
         return {
             f"{i}.{n}": p.grad.full_tensor().clone()
-            for i, b in enumerate(blocks) for n, p in b.named_parameters()
+            for i, b in enumerate(blocks)
+            for n, p in b.named_parameters()
         }
 
     with _hazards.one_rank_world():

@@ -41,7 +41,9 @@ def _step(schedule: str, inner: Callable[[], nn.Module] | None = None) -> _hazar
         return _hazards.pipeline_step(schedule, inner, stages)
     except RuntimeError as exc:
         if _hazards._SELF_SEND in str(exc):
-            pytest.skip("this torch sends between two stages of one rank over gloo, which gloo refuses")
+            pytest.skip(
+                "this torch sends between two stages of one rank over gloo, which gloo refuses"
+            )
         raise
 
 
@@ -65,7 +67,9 @@ def test_gradsafe_step_equals_accumulation_where_upstream_counts_the_inference_l
 
 # Schedule1F1B: one stage holding both blocks (runs on every torch, 2.11's
 # forward-only inference included).
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
+@pytest.mark.parametrize(
+    "schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+)
 def test_batchnorm_statistics_count_the_microbatches_only(schedule: str, world: None) -> None:
     def norm() -> nn.Module:
         return nn.BatchNorm1d(4).double()
@@ -81,7 +85,9 @@ def test_batchnorm_statistics_count_the_microbatches_only(schedule: str, world: 
 
 # Schedule1F1B: one stage holding both blocks (runs on every torch, 2.11's
 # forward-only inference included).
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
+@pytest.mark.parametrize(
+    "schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+)
 def test_dropout_draws_the_masks_of_the_microbatches_only(schedule: str, world: None) -> None:
     def dropout() -> nn.Module:
         return nn.Dropout(0.5)
@@ -94,7 +100,9 @@ def test_dropout_draws_the_masks_of_the_microbatches_only(schedule: str, world: 
     assert _hazards.worst_relative_error(run, reference)[1] <= 1e-12
 
 
-def _hooked_step(step: Callable[[list[nn.Module]], None]) -> tuple[dict[str, int], list[bool], dict[str, torch.Tensor]]:
+def _hooked_step(
+    step: Callable[[list[nn.Module]], None],
+) -> tuple[dict[str, int], list[bool], dict[str, torch.Tensor]]:
     """Existing .grad tensors and every kind of gradient hook on both stages; what ``step`` did to them."""
     modules = list(_hazards._build(None))
     counts = {"tensor": 0, "module": 0, "module_pre": 0}
