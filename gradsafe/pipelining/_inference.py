@@ -110,15 +110,14 @@ class InferenceSnapshot:
                     _ParamRecord(
                         param,
                         param.grad,
-                        param._version,
+                        _torch.version(param),
                         main_grad,
                         None if main_grad is None else main_grad.clone(),
                     )
                 )
             for module in _unique(sub for m in self._modules for sub in m.modules()):
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        self._buffers.append(_BufferRecord(module, name, buffer, buffer.clone()))
+                for name, buffer in module.named_buffers(recurse=False):
+                    self._buffers.append(_BufferRecord(module, name, buffer, buffer.clone()))
         self._rng = _torch.rng_states()
         self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
         for record in self._params:
@@ -140,10 +139,10 @@ class InferenceSnapshot:
                 if record.main_grad is not None:
                     record.param.main_grad = record.main_grad  # type: ignore[attr-defined]
                     record.main_grad.copy_(record.main_grad_copy)  # type: ignore[arg-type]
-                if record.param._version != record.version:
+                if _torch.version(record.param) != record.version:
                     changed.append(record.param)
             for buf in self._buffers:
-                buf.module._buffers[buf.name] = buf.buffer
+                setattr(buf.module, buf.name, buf.buffer)  # re-seats a buffer the forward rebound
                 # Always copied: kernels that update buffers (BatchNorm's running
                 # statistics) do not bump their version counters.
                 buf.buffer.copy_(buf.copy)

@@ -22,6 +22,8 @@ and :func:`missing_feature` reports it before the patch is applied:
   (activation checkpointing), so calling it again would unpack them again;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
   call time, emptied while a gradient is captured at that leaf;
+- ``Tensor._version``: a parameter changed in place during stage metadata
+  inference (refused: it cannot be undone);
 - ``Tensor._post_accumulate_grad_hooks`` and ``nn.Module``'s backward-hook
   dicts (per module and the module-global ones): silenced while a stage's
   metadata inference runs;
@@ -73,6 +75,7 @@ __all__ = [
     "set_rng_states",
     "silenced_gradient_hooks",
     "silenced_tensor_hooks",
+    "version",
     "fsdp_counterparts",
     "grad_target",
     "input_meta",
@@ -124,6 +127,11 @@ def grad_target(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype | No
     if leaf is not None and hasattr(leaf, "grad_dtype"):
         return shape, leaf.grad_dtype
     return shape, dtype
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: in-place operations through autograd bump it."""
+    return int(tensor._version)
 
 
 def is_view(tensor: torch.Tensor) -> bool:
