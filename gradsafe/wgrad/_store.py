@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe.patching import REGISTRY
 from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
@@ -190,6 +191,19 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
         param.grad.add_(total)
 
 
+def _graph_capture_underway() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    # A real capture needs an initialised CUDA context, and asking without one may
+    # try to create it (and raise where no GPU is usable); a stand-in
+    # (gradsafe.testing.emulate_cuda_graphs) is always asked.
+    if not (
+        torch.cuda.is_initialized()
+        or REGISTRY.is_object_patched("torch.cuda", "is_current_stream_capturing")
+    ):
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 class WeightGradStore:
     """Records delayed weight-gradient work during B and hands it to W, one microbatch at a time.
 
@@ -227,7 +241,22 @@ class WeightGradStore:
         delayed; mark it earlier (:func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`)
         if a data-parallel wrapper decides at construction which parameters to
         hook.
+
+        Raises:
+            RuntimeError: called while a CUDA graph is being captured (the
+                kernel is inside a graphed callable): a replay runs no Python,
+                so no later microbatch would record its weight gradient.
         """
+        if _graph_capture_underway():
+            raise RuntimeError(
+                f"WeightGradStore.record: a delayed weight gradient (parameter of shape "
+                f"{tuple(param.shape)}) is being recorded while a CUDA graph is captured. A "
+                "graph's replay runs no Python, so no later microbatch would record it and every "
+                "W pass would miss this weight's gradient (the warm-up's records, still in this "
+                "store, hold the sample inputs' gradients). Keep the delayed kernel out of the "
+                "graphed callable, or let the graph compute its weight gradient (no wgrad store "
+                "for that kernel); discard the warm-up's records with store.seal()"
+            )
         mark_delayed_wgrad(param)
         # An undelayed use of param in this backward delivers its gradient into
         # .grad at AccumulateGrad; W must then leave it for the hook to add.

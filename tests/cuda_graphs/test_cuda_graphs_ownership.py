@@ -333,7 +333,10 @@ def test_requires_grad_false_input(env: Env, mgc: Callable[..., Any]) -> None:
     def fn(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return x * w * mask
 
-    sample = (torch.ones(4, device=env.device, requires_grad=True), torch.ones(4, device=env.device))
+    sample = (
+        torch.ones(4, device=env.device, requires_grad=True),
+        torch.ones(4, device=env.device),
+    )
     graphed = mgc(fn, sample)
     x = torch.ones(4, device=env.device, requires_grad=True)
     mask = env.tensor([1.0, 0, 1, 0])
@@ -355,7 +358,10 @@ def test_allow_unused_input(env: Env, mgc: Callable[..., Any]) -> None:
         def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
             return self.inner(x)
 
-    sample = (torch.ones(2, 4, device=env.device), torch.ones(4, device=env.device, requires_grad=True))
+    sample = (
+        torch.ones(2, 4, device=env.device),
+        torch.ones(4, device=env.device, requires_grad=True),
+    )
     graphed = mgc(Unused(), sample, allow_unused_input=True)
     unused = torch.ones(4, device=env.device, requires_grad=True)
     graphed(env.tensor(SEED_X1), unused).sum().backward()
@@ -452,6 +458,38 @@ def test_tied_weight_with_delayed_wgrad_never_is_upstream(
     torch.testing.assert_close(never, upstream)
     error = (never - expected).abs().max().item()
     assert (error < 1e-12) if microbatches == 1 else (error > 1e-3)
+
+
+class _DelayedHead(torch.nn.Module):
+    def __init__(self, env: Env, store: WeightGradStore) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(env.randn(4, 4, dtype=torch.float64))
+        self.store = store
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _DelayedMatmul.apply(h, self.weight, self.store, False)
+
+
+@pytest.mark.parametrize("mgc", [*SAFE, pytest.param(upstream_mgc, id="upstream")])
+def test_a_delayed_kernel_inside_a_graphed_callable_is_refused_at_capture(
+    env: Env, mgc: Callable[..., Any]
+) -> None:
+    # The graph's replay runs no Python: the kernel would record its weight
+    # gradient at capture only, and every later W pass would silently miss it
+    # (the first one running the warm-up's records instead: 4 uses, wrong values).
+    store = WeightGradStore()
+    head = _DelayedHead(env, store)
+    sample = (env.randn(3, 4, dtype=torch.float64, requires_grad=True),)
+    with pytest.raises(RuntimeError, match="recorded while a CUDA graph is captured"):
+        mgc(head, sample, allow_unused_input=True)
+    # Outside a capture the same kernel records as before, and W is exact (fp64).
+    store.seal()
+    h = env.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    head(h).pow(2).sum().backward()
+    store.seal().run()
+    w = head.weight.detach().requires_grad_()
+    (h.detach() @ w).pow(2).sum().backward()
+    torch.testing.assert_close(head.weight.grad, w.grad)
 
 
 def _mark_gradsafe(p: torch.nn.Parameter) -> None:
@@ -564,7 +602,9 @@ def test_ownership_clone_counts(
 
 def test_invalid_ownership_rejected(env: Env) -> None:
     with pytest.raises(ValueError, match="ownership must be one of"):
-        make_graphed_callables(ScaleByWeight(env.device), (torch.ones(2, 4),), ownership="sometimes")
+        make_graphed_callables(
+            ScaleByWeight(env.device), (torch.ones(2, 4),), ownership="sometimes"
+        )
 
 
 # --- patch and unsupported structures (no graphs needed beyond emulation) -------------------
@@ -604,7 +644,9 @@ def test_arguments_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
         return lambda *a: a
 
     monkeypatch.setattr(torch.cuda.graphs, "make_graphed_callables", recorder)
-    make_graphed_callables("c", "s", 7, True, pool="p", capture_error_mode="relaxed", ownership="never")  # type: ignore[call-overload]
+    make_graphed_callables(
+        "c", "s", 7, True, pool="p", capture_error_mode="relaxed", ownership="never"
+    )  # type: ignore[call-overload]
     # torch's parameters go by position (their defaults are torch's on every
     # supported release); newer ones as given.
     assert seen == [(("c", "s", 7, True, "p"), {"capture_error_mode": "relaxed"})]
@@ -616,7 +658,9 @@ def test_no_availability_gate() -> None:
     # Works wherever upstream works: under emulation, with no GPU at all.
     with emulate_cuda_graphs() if not torch.cuda.is_available() else contextlib.nullcontext():
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        graphed = make_graphed_callables(lambda x: x * 2, (torch.ones(2, device=device, requires_grad=True),))
+        graphed = make_graphed_callables(
+            lambda x: x * 2, (torch.ones(2, device=device, requires_grad=True),)
+        )
         x = torch.ones(2, device=device, requires_grad=True)
         graphed(x).sum().backward()
         assert x.grad.tolist() == [2.0, 2.0]
