@@ -63,7 +63,10 @@ def register_megatron_hook(
     """Fire Megatron-core DDP's grad-ready ``hook`` for ``param`` in each of ``store``'s W passes that computes it.
 
     Call it from a module's ``register_wgrad_accumulation_and_reduce_hooks``
-    with the module's one delayed parameter. Marks ``param`` as delayed. At
+    with the module's one delayed parameter. Marks ``param`` as delayed. A W
+    pass raises ``RuntimeError`` if the hook leaves ``param.grad`` in place
+    (Megatron's hook clears its own parameter's): it was DDP's hook for another
+    delayed parameter of the same module. At
     most one Megatron hook per parameter: a later call replaces the earlier
     one. DDP registers a weight tied across two modules once per module, and
     a second hook in the same W pass would meet ``.grad`` already cleared (an
@@ -75,8 +78,20 @@ def register_megatron_hook(
     if old is not None:
         old.remove()
 
-    def grad_ready(_: torch.Tensor) -> None:
+    def grad_ready(p: torch.Tensor) -> None:
         hook()
+        # Megatron's hook always clears its parameter's .grad (W set one before
+        # calling it); one left in place means the hook serves another parameter.
+        if p.grad is not None:
+            raise RuntimeError(
+                f"register_megatron_hook: the Megatron-core DDP hook registered for a delayed "
+                f"parameter of shape {tuple(p.shape)} left its .grad in place, so it serves another "
+                "parameter and this one's W gradient would never reach main_grad. DDP calls "
+                "register_wgrad_accumulation_and_reduce_hooks once per delayed parameter of a "
+                "module without saying which: a module offering it must hold exactly one delayed "
+                "parameter (give each delayed parameter, e.g. a bias, its own module, or do not "
+                "delay it)"
+            )
 
     handle = store.register_grad_ready_hook(param, grad_ready)
     _handles[param] = handle

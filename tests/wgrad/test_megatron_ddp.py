@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradsafe.testing import MegatronStyleDDP, module_of
-from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad
+from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad, register_megatron_hook
 
 
 def _model() -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
@@ -163,3 +163,74 @@ def test_remove_unhooks() -> None:
     ddp.remove()
     _loss(params, torch.randn(2, 3, dtype=torch.float64)).backward()
     assert all(p.grad is not None and not p.main_grad.any() for p in params)
+
+
+class _DelayedAffine(torch.autograd.Function):
+    """``x @ w.T + b``; ``w``'s gradient delayed unfused (W adds it into ``.grad``), ``b``'s fused or not delayed."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, store, delay_bias):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x)
+        ctx.w, ctx.b, ctx.store, ctx.delay_bias = w, b, store, delay_bias
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        ctx.store.record(ctx.w, lambda _: g.t() @ x, accumulate_into_main_grad=False)
+        if not ctx.delay_bias:
+            return g @ ctx.w, None, g.sum(0), None, None
+
+        def bias_into_main_grad(main_grad: torch.Tensor | None) -> None:
+            assert main_grad is not None
+            main_grad.add_(g.sum(0))
+
+        ctx.store.record(ctx.b, bias_into_main_grad, accumulate_into_main_grad=True)
+        return g @ ctx.w, None, None, None, None
+
+
+class _DelayedLinear(torch.nn.Module):
+    """docs/wgrad.md's module recipe, copied literally; ``delay_bias``: the bias is delayed too."""
+
+    def __init__(self, store: WeightGradStore, *, delay_bias: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = _model()
+        self.wgrad_store = store
+        self.delay_bias = delay_bias
+        mark_delayed_wgrad(self.weight)
+        if delay_bias:
+            mark_delayed_wgrad(self.bias)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):  # type: ignore[no-untyped-def]
+        register_megatron_hook(self.wgrad_store, self.weight, hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DelayedAffine.apply(x, self.weight, self.bias, self.wgrad_store, self.delay_bias)
+
+
+def _delayed_linear_main_grads(delay_bias: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two microbatches (W after each B) under MegatronStyleDDP, and plain fp64 autograd."""
+    store = WeightGradStore()
+    module = _DelayedLinear(store, delay_bias=delay_bias)
+    MegatronStyleDDP(module, delay_wgrad_compute=True)
+    ref = [p.detach().clone().requires_grad_() for p in (module.weight, module.bias)]
+    for _ in range(2):
+        x = torch.randn(2, 3, dtype=torch.float64)
+        torch.tanh(module(x)).pow(2).sum().backward()
+        store.seal().run()
+        _loss(ref, x).backward()
+    return [module.weight.main_grad, module.bias.main_grad], [r.grad for r in ref]
+
+
+def test_a_megatron_hook_serving_another_parameter_is_refused_at_w() -> None:
+    # DDP hands the module one hook per delayed parameter; the recipe registers
+    # both for the weight, the bias's replacing the weight's. Silently, the
+    # weight's W gradient then stayed in .grad (main_grad 100 % off, fp64).
+    with pytest.raises(RuntimeError, match="serves another parameter"):
+        _delayed_linear_main_grads(delay_bias=True)
+
+
+def test_one_delayed_parameter_per_module_is_exact() -> None:
+    got, expected = _delayed_linear_main_grads(delay_bias=False)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
