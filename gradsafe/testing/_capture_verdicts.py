@@ -82,8 +82,23 @@ def _histc_reads_range(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return low == high and args[0].numel() > 0
 
 
-def _without_replacement(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return not _arg(args, kwargs, 2, "replacement", False)
+def _equal_reads_the_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # cuda_equal answers without the device for different sizes, no elements,
+    # or the same view of the same storage (is_alias_of and equal layout).
+    a, b = args[0], args[1]
+    if a.shape != b.shape or a.numel() == 0:
+        return False
+    same_view = (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+        and a.is_contiguous() == b.is_contiguous()
+        and a.stride() == b.stride()
+        and a.layout == b.layout
+        and a.is_neg() == b.is_neg()
+        and a.is_conj() == b.is_conj()
+    )
+    return not same_view
 
 
 def _one_hot_infers_classes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -151,6 +166,15 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         _R,
         "returns a host bool computed on the device",
         "aten/src/ATen/native/cuda/Equal.cpp: cuda_equal (eq(...).all().item())",
+        applies=_equal_reads_the_host,
+    ),
+    Verdict(
+        "torch.equal(t, t) / different sizes / no elements",
+        _A.equal,
+        _C,
+        "answered from the metadata alone",
+        "aten/src/ATen/native/cuda/Equal.cpp: cuda_equal (sizes differ: false; numel 0: true; "
+        "is_alias_of with the same offset, strides, dtype and flags: true)",
     ),
     Verdict(
         "torch.allclose",
@@ -169,11 +193,11 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
     Verdict(
         "torch.multinomial(p, n) without replacement",
         _A.multinomial,
-        _R,
-        "checks the probabilities on the host",
-        "aten/src/ATen/native/Distributions.cpp: multinomial_out "
-        "(((max < inf) & (min >= 0)).item() when not with_replacement)",
-        applies=_without_replacement,
+        _C,
+        "checks the probabilities with device asserts, samples on the device",
+        "aten/src/ATen/native/Distributions.cpp: multinomial_out (not with_replacement or "
+        "n_sample == 1: aminmax, _assert_async, exponential_, topk/argmax; the same aten "
+        "calls on 2.11, 2.13 and 2.15)",
     ),
     Verdict(
         "torch.multinomial(p, n, replacement=True)",

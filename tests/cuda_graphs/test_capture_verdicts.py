@@ -61,11 +61,14 @@ def _mask_put_scalar(x: torch.Tensor) -> torch.Tensor:
 
 EXAMPLES: dict[str, Example] = {
     "t.item() / bool(t) / int(t) / float(t)": Example(_floats(2), lambda x: x.sum().item()),
-    "torch.equal": Example(_floats(2), lambda x: torch.equal(x, x)),
+    "torch.equal": Example(_floats(2), lambda x: torch.equal(x, x * 1)),
+    "torch.equal(t, t) / different sizes / no elements": Example(
+        _floats(2), lambda x: (torch.equal(x, x), torch.equal(x, x[:1]), torch.equal(x[:0], x[:0]))
+    ),
     "torch.allclose": Example(_floats(2), lambda x: torch.allclose(x, x)),
     "linalg.inv / cholesky / solve / lu_factor (error check)": Example(_spd, torch.linalg.inv),
     "torch.multinomial(p, n) without replacement": Example(
-        _floats(4), lambda p: torch.multinomial(p, 2)
+        _floats(4), lambda p: torch.multinomial(p, 2), comparable=False
     ),
     "torch.multinomial(p, n, replacement=True)": Example(
         _floats(4),
