@@ -460,6 +460,37 @@ def test_tied_weight_with_delayed_wgrad_never_is_upstream(
     assert (error < 1e-12) if microbatches == 1 else (error > 1e-3)
 
 
+def _delayed_head_grad(env: Env, graphed: bool, *, clone: bool) -> torch.Tensor:
+    """``h = body(x)``, a delayed head ``h @ W`` (unfused), W one microbatch behind, fp64."""
+    torch.manual_seed(5)
+    body = torch.nn.Linear(4, 4, device=env.device, dtype=torch.float64)
+    head = torch.nn.Parameter(env.randn(4, 4, dtype=torch.float64))
+    xs = [env.randn(2, 4, dtype=torch.float64) for _ in range(2)]
+    run = body
+    if graphed:
+        run = make_graphed_callables(body, (env.randn(2, 4, dtype=torch.float64),))
+    store = WeightGradStore()
+    pending = []
+    for x in xs:
+        h = run(x).clone() if clone else run(x)
+        _DelayedMatmul.apply(h, head, store, False).pow(2).sum().backward()
+        pending.append(store.seal())
+        if len(pending) > 1:
+            pending.pop(0).run()
+    pending.pop().run()
+    assert head.grad is not None
+    return head.grad
+
+
+def test_a_delayed_w_reading_a_graphed_output_after_the_next_call_needs_a_clone(env: Env) -> None:
+    # Outputs are static buffers (not owned, as upstream's; docs/cuda_graphs.md): the
+    # next call rewrites h before W reads it. A clone keeps W exact.
+    expected = _delayed_head_grad(env, False, clone=False)
+    aliased = _delayed_head_grad(env, True, clone=False)
+    assert (aliased - expected).abs().max().item() > 1e-3
+    torch.testing.assert_close(_delayed_head_grad(env, True, clone=True), expected)
+
+
 class _DelayedHead(torch.nn.Module):
     def __init__(self, env: Env, store: WeightGradStore) -> None:
         super().__init__()
