@@ -30,6 +30,7 @@ from gradsafe.cuda_graphs.split_stages import (
 )
 from gradsafe.pipelining import stage_backward, stage_backward_input, stage_backward_weight
 from gradsafe.testing import emulate_cuda_graphs
+from gradsafe.wgrad import WeightGradStore
 
 D = torch.float64
 TOL = 1e-9
@@ -451,3 +452,42 @@ def test_single_chunk_order_by_hand(env: Env) -> None:
         for key in want:
             _assert_close(got[key], want[key], f"step {step} input grad {key}")
         _assert_param_grads(run.modules, fused, f"step {step}")
+
+
+class _DelayedMatmulFn(torch.autograd.Function):
+    """``x @ w`` whose weight gradient a WeightGradStore computes at W time (unfused)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, store: WeightGradStore) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.store = store
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        ctx.store.record(w, lambda _: x.t() @ g, accumulate_into_main_grad=False)
+        return g @ w.t(), None, None
+
+
+class _DelayedStage(torch.nn.Module):
+    def __init__(self, store: WeightGradStore) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(WIDTH, WIDTH, dtype=D) / WIDTH)
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_DelayedMatmulFn.apply(x, self.w, self.store))
+
+
+def test_a_wgrad_store_kernel_inside_a_graphed_stage_is_refused_at_capture(env: Env) -> None:
+    # B's graph replays no Python: the store would hold the warm-up's and the
+    # capture's records, and no replay would ever record the weight's gradient
+    # (accepted silently before).
+    order = CaptureOrder(
+        [CaptureEntry.forward(0, 0), CaptureEntry.dgrad(0, 0), CaptureEntry.wgrad(0, 0)]
+    )
+    stage = _DelayedStage(WeightGradStore()).to(env.device)
+    sample = (torch.randn(ROWS, WIDTH, dtype=D, device=env.device, requires_grad=True),)
+    with pytest.raises(RuntimeError, match="recorded while a CUDA graph is captured"):
+        make_graphed_split_callables([stage], [sample], order)
