@@ -137,8 +137,10 @@ class FusedLinear(torch.nn.Module):
 
         It then fires after each W pass that computes the weight's gradient.
         """
-        if self.wgrad_store is None:  # DDP only calls this for a delayed (marked) weight
-            raise RuntimeError("FusedLinear without wgrad_store has no delayed weight to hook")
+        if self.wgrad_store is None:
+            # DDP calls this for a marked weight, so this module shares (ties) a
+            # weight that another module delays: that module registers the hook.
+            return
         register_megatron_hook(self.wgrad_store, self.weight, hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

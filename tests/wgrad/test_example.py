@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from gradsafe.testing import MegatronStyleDDP
 from gradsafe.wgrad import WeightGradStore, grad_lifetime_is_managed
 from gradsafe.wgrad._hazards import CONFIGS, Config, check_config, check_mixed, reference
 
@@ -77,4 +78,29 @@ def test_example_runs_as_a_script() -> None:
 def test_example_is_not_in_the_package() -> None:
     import gradsafe.wgrad
 
-    assert not hasattr(gradsafe.wgrad, "FusedLinear") and not hasattr(gradsafe.wgrad, "fused_linear")
+    assert not hasattr(gradsafe.wgrad, "FusedLinear") and not hasattr(
+        gradsafe.wgrad, "fused_linear"
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_example_ties_a_delayed_weight_to_an_undelayed_module_under_megatron(  # type: ignore[no-untyped-def]
+    example, overlap: bool
+) -> None:
+    # DDP hands its hook to every module holding the marked weight, the
+    # undelayed one too: that one used to raise at DDP construction.
+    store = WeightGradStore()
+    delayed = example.FusedLinear(4, 4, wgrad_store=store, dtype=torch.float64)
+    plain = example.FusedLinear(4, 4, dtype=torch.float64)
+    plain.weight = delayed.weight
+    MegatronStyleDDP(
+        torch.nn.ModuleList([plain, delayed]), delay_wgrad_compute=True, overlap_grad_reduce=overlap
+    )
+    w = delayed.weight.detach().clone().requires_grad_()
+    for _ in range(3):
+        x = torch.randn(2, 4, dtype=torch.float64)
+        delayed(torch.tanh(plain(x))).pow(2).sum().backward()
+        store.seal().run()
+        (torch.tanh(x @ w.t()) @ w.t()).pow(2).sum().backward()
+    torch.testing.assert_close(delayed.weight.main_grad, w.grad)
+    assert delayed.weight.grad is None
