@@ -70,6 +70,7 @@ class PendingWeightGrads:
         self._uses = uses
         self._hooks = hooks
         self._state = _State.SEALED
+        self._claim = threading.Lock()  # run() from two threads: exactly one runs the pass
 
     def __len__(self) -> int:
         """Number of recorded weight uses."""
@@ -92,13 +93,14 @@ class PendingWeightGrads:
         this thread, with ``.grad`` not None (a fresh zero ``.grad`` is set if
         none exists, so hooks that assert it, as Megatron's does, hold).
         """
-        if self._state is not _State.SEALED:
-            raise RuntimeError(
-                f"PendingWeightGrads.run: this W pass is {self._state.value}; each sealed B pass "
-                "runs exactly once (call store.seal() after the next B for a new one)"
-            )
-        self._refuse_gradients_no_hook_would_take()
-        self._state = _State.RUNNING
+        with self._claim:
+            if self._state is not _State.SEALED:
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: this W pass is {self._state.value}; each sealed B "
+                    "pass runs exactly once (call store.seal() after the next B for a new one)"
+                )
+            self._refuse_gradients_no_hook_would_take()
+            self._state = _State.RUNNING
         try:
             self._deliver()
         except BaseException:

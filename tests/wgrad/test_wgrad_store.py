@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ def test_w_on_another_thread_fires_hooks_there() -> None:
     w.main_grad = torch.zeros_like(w)
     threads: list[int] = []
     store.register_grad_ready_hook(w, lambda p: threads.append(threading.get_ident()))
-    fused_linear(torch.randn(4, 2), w, accumulate_into_main_grad=True, wgrad_store=store).sum().backward()
+    fused_linear(
+        torch.randn(4, 2), w, accumulate_into_main_grad=True, wgrad_store=store
+    ).sum().backward()
     pending = store.seal()
     worker = threading.Thread(target=pending.run)
     worker.start()
@@ -113,6 +116,44 @@ def test_lifecycle_errors_name_the_cause() -> None:
         failed.run()
 
 
+def test_run_from_two_threads_runs_the_pass_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both threads used to pass the "not run yet" check (a W executor pool, a
+    # retry from another thread): both ran the pass, adding its gradients twice or
+    # overwriting one another, silently.
+    # The pre-run check is slowed down to hold both threads in that window.
+    from gradsafe.wgrad._store import PendingWeightGrads
+
+    check = PendingWeightGrads._refuse_gradients_no_hook_would_take
+
+    def slow_check(self: PendingWeightGrads) -> None:
+        time.sleep(0.05)
+        check(self)
+
+    monkeypatch.setattr(PendingWeightGrads, "_refuse_gradients_no_hook_would_take", slow_check)
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    store = WeightGradStore()
+    store.record(w, lambda _: torch.ones(2, dtype=torch.float64), accumulate_into_main_grad=False)
+    pending = store.seal()
+    start = threading.Barrier(2)
+    refused: list[RuntimeError] = []
+
+    def run() -> None:
+        start.wait()
+        try:
+            pending.run()
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert w.grad is not None
+    assert w.grad.tolist() == [1.0, 1.0]
+    assert len(refused) == 1 and "runs exactly once" in str(refused[0])
+
+
 def test_markers() -> None:
     store = WeightGradStore()
     te_param = torch.nn.Parameter(torch.randn(2))
@@ -142,10 +183,15 @@ def test_fused_and_unfused_uses_in_one_b_pass_both_arrive() -> None:
 
     seen: list[tuple[float, float, bool]] = []
     store.register_grad_ready_hook(
-        w, lambda p: seen.append((p.main_grad[0, 0].item(), p.grad[0, 0].item(), p.grad_added_to_main_grad))
+        w,
+        lambda p: seen.append(
+            (p.main_grad[0, 0].item(), p.grad[0, 0].item(), p.grad_added_to_main_grad)
+        ),
     )
     store.record(w, fused, accumulate_into_main_grad=True)
-    store.record(w, lambda mg: torch.full((2, 2), 2.0, dtype=torch.float64), accumulate_into_main_grad=False)
+    store.record(
+        w, lambda mg: torch.full((2, 2), 2.0, dtype=torch.float64), accumulate_into_main_grad=False
+    )
     store.seal().run()
     assert seen == [(1.0, 2.0, False)]  # the hook adds .grad: nothing is counted twice or lost
 
@@ -156,7 +202,9 @@ def test_w_refuses_an_unfused_gradient_no_hook_would_move_into_main_grad() -> No
     w = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))
     w.main_grad = torch.zeros(2, 2, dtype=torch.float64)
     w.grad_added_to_main_grad = False
-    store.record(w, lambda mg: torch.ones(2, 2, dtype=torch.float64), accumulate_into_main_grad=False)
+    store.record(
+        w, lambda mg: torch.ones(2, 2, dtype=torch.float64), accumulate_into_main_grad=False
+    )
     pending = store.seal()
     with pytest.raises(RuntimeError, match="delay_wgrad_compute=True"):
         pending.run()
@@ -188,7 +236,9 @@ def _forward(params, x, linear):  # type: ignore[no-untyped-def]
     return linear(torch.tanh(linear(torch.tanh(linear(x, first)), tied)), tied).pow(2).sum()
 
 
-def _optimizer_in_backward(delayed: bool, use_post_accumulate_hook: bool) -> tuple[torch.Tensor, ...]:
+def _optimizer_in_backward(
+    delayed: bool, use_post_accumulate_hook: bool
+) -> tuple[torch.Tensor, ...]:
     store = WeightGradStore() if delayed else None
     params = _tied_params()
     step = _sgd_step_in_backward(params, lr=0.1)
