@@ -60,7 +60,11 @@ class _State(enum.Enum):
     SEALED = "sealed"
     RUNNING = "running"
     DONE = "done"
-    FAILED = "failed part-way (its gradients are partly applied: zero them and redo the step)"
+    FAILED = (
+        "failed part-way (its gradients are partly applied: set every parameter's .grad to None "
+        "and zero its main_grad, then redo the step; Megatron-core's zero_grad_buffer() zeroes "
+        "main_grad but keeps .grad, which would land in the redone step)"
+    )
 
 
 class PendingWeightGrads:

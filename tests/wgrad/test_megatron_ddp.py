@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from gradsafe.testing import MegatronStyleDDP, module_of
-from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad, register_megatron_hook
+from gradsafe.wgrad import (
+    PendingWeightGrads,
+    WeightGradStore,
+    mark_delayed_wgrad,
+    register_megatron_hook,
+)
 
 
 def _model() -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
@@ -234,3 +239,55 @@ def test_one_delayed_parameter_per_module_is_exact() -> None:
     got, expected = _delayed_linear_main_grads(delay_bias=False)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+class _TiedHead(torch.autograd.Function):
+    """``h @ w.T`` whose weight gradient W computes unfused; ``fail`` makes that computation raise."""
+
+    @staticmethod
+    def forward(ctx, h, w, store, fail):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(h, w)
+        ctx.store, ctx.fail = store, fail
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        h, w = ctx.saved_tensors
+
+        def compute(_: torch.Tensor | None) -> torch.Tensor:
+            if ctx.fail:
+                raise MemoryError("W ran out of memory")
+            return g.t() @ h
+
+        ctx.store.record(w, compute, accumulate_into_main_grad=False)
+        return g @ w, None, None, None
+
+
+@pytest.mark.parametrize("recovery", ["as named", "zero_grad_buffer only"])
+def test_a_failed_pass_names_a_recovery_that_clears_grad(recovery: str) -> None:
+    # A tied weight: the embedding's undelayed gradient waits in .grad for W's
+    # hook; W fails. Megatron's zero_grad_buffer() keeps that .grad, so the
+    # redone step would add it again: the retry error names clearing .grad.
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    mark_delayed_wgrad(w)
+    store = WeightGradStore()
+    ddp = MegatronStyleDDP(module_of([w], store), delay_wgrad_compute=True)
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def step(fail: bool) -> PendingWeightGrads:
+        _TiedHead.apply(torch.tanh(x @ w.t()), w, store, fail).pow(2).sum().backward()
+        return store.seal()
+
+    failed = step(True)
+    with pytest.raises(MemoryError):
+        failed.run()
+    with pytest.raises(RuntimeError, match=r"set every parameter's \.grad to None"):
+        failed.run()
+    if recovery == "as named":
+        w.grad = None
+    ddp.zero_grad_buffer()
+    step(False).run()
+    ref = w.detach().clone().requires_grad_()
+    (torch.tanh(x @ ref.t()) @ ref.t()).pow(2).sum().backward()
+    error = (w.main_grad - ref.grad).abs().max().item()
+    assert (error < 1e-12) if recovery == "as named" else (error > 1.0)
