@@ -54,6 +54,7 @@ class _Use:
     param: torch.Tensor
     compute: WeightGradClosure
     accumulate_into_main_grad: bool
+    captured: bool  # recorded while a CUDA graph was being captured
 
 
 class _State(enum.Enum):
@@ -103,6 +104,8 @@ class PendingWeightGrads:
                     f"PendingWeightGrads.run: this W pass is {self._state.value}; each sealed B "
                     "pass runs exactly once (call store.seal() after the next B for a new one)"
                 )
+            if any(use.captured for use in self._uses) and not _graph_capture_underway():
+                raise RuntimeError(f"PendingWeightGrads.run: {_CAPTURED_OUTSIDE}")
             self._refuse_gradients_no_hook_would_take()
             self._state = _State.RUNNING
         try:
@@ -197,6 +200,17 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
         param.grad.add_(total)
 
 
+_CAPTURED_OUTSIDE = (
+    "delayed weight gradients were recorded while a CUDA graph was captured and are used after "
+    "the capture ended. A graph's replay runs no Python, so no replay records them again: a "
+    "delayed kernel inside a graphed callable (make_graphed_callables, "
+    "make_graphed_split_callables) would leave every later W pass without its weight gradient. "
+    "Keep delayed kernels out of graphed callables (or let the graph compute their weight "
+    "gradient: no wgrad store for them); a graph of the whole step records, seals and runs "
+    "its W passes inside the one capture"
+)
+
+
 def _graph_capture_underway() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph."""
     # A real capture needs an initialised CUDA context, and asking without one may
@@ -249,32 +263,40 @@ class WeightGradStore:
         hook.
 
         Raises:
-            RuntimeError: called while a CUDA graph is being captured (the
-                kernel is inside a graphed callable): a replay runs no Python,
-                so no later microbatch would record its weight gradient.
+            RuntimeError: records made during a CUDA graph capture are still
+                open after it ended (a delayed kernel inside a graphed
+                callable): they are discarded. Records made, sealed and run
+                within one capture (a whole-step graph) are fine.
         """
-        if _graph_capture_underway():
-            raise RuntimeError(
-                f"WeightGradStore.record: a delayed weight gradient (parameter of shape "
-                f"{tuple(param.shape)}) is being recorded while a CUDA graph is captured. A "
-                "graph's replay runs no Python, so no later microbatch would record it and every "
-                "W pass would miss this weight's gradient (the warm-up's records, still in this "
-                "store, hold the sample inputs' gradients). Keep the delayed kernel out of the "
-                "graphed callable, or let the graph compute its weight gradient (no wgrad store "
-                "for that kernel); discard the warm-up's records with store.seal()"
-            )
+        capturing = _graph_capture_underway()
         mark_delayed_wgrad(param)
         # An undelayed use of param in this backward delivers its gradient into
         # .grad at AccumulateGrad; W must then leave it for the hook to add.
         watch_flag(param)
         with self._lock:
-            self._open.append(_Use(param, compute, accumulate_into_main_grad))
+            if not capturing:
+                self._refuse_records_left_by_a_capture("record")
+            self._open.append(_Use(param, compute, accumulate_into_main_grad, capturing))
 
     def seal(self) -> PendingWeightGrads:
-        """Freeze what was recorded since the last ``seal()`` into one W pass."""
+        """Freeze what was recorded since the last ``seal()`` into one W pass.
+
+        Raises:
+            RuntimeError: as :meth:`record`, for records a capture left open.
+        """
+        capturing = _graph_capture_underway()
         with self._lock:
+            if not capturing:
+                self._refuse_records_left_by_a_capture("seal")
             uses, self._open = tuple(self._open), []
         return PendingWeightGrads(uses, self._hooks)
+
+    def _refuse_records_left_by_a_capture(self, what: str) -> None:
+        if any(use.captured for use in self._open):
+            self._open = []  # unusable outside their capture; the store starts afresh
+            raise RuntimeError(
+                f"WeightGradStore.{what}: {_CAPTURED_OUTSIDE}. The open records were discarded"
+            )
 
     def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:
         """Call ``hook(param)`` in each W pass that computes ``param``'s gradient, once it is complete.

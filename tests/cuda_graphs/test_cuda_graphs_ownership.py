@@ -502,25 +502,71 @@ class _DelayedHead(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mgc", [*SAFE, pytest.param(upstream_mgc, id="upstream")])
-def test_a_delayed_kernel_inside_a_graphed_callable_is_refused_at_capture(
+def test_a_delayed_kernel_inside_a_graphed_callable_is_refused_at_the_next_seal(
     env: Env, mgc: Callable[..., Any]
 ) -> None:
-    # The graph's replay runs no Python: the kernel would record its weight
-    # gradient at capture only, and every later W pass would silently miss it
-    # (the first one running the warm-up's records instead: 4 uses, wrong values).
+    # The graph's replay runs no Python: the kernel recorded its weight gradient
+    # at capture only, and every later W pass silently missed it (the first one
+    # ran the warm-up's and the capture's 4 records instead).
     store = WeightGradStore()
     head = _DelayedHead(env, store)
     sample = (env.randn(3, 4, dtype=torch.float64, requires_grad=True),)
-    with pytest.raises(RuntimeError, match="recorded while a CUDA graph is captured"):
-        mgc(head, sample, allow_unused_input=True)
-    # Outside a capture the same kernel records as before, and W is exact (fp64).
-    store.seal()
+    graphed = mgc(head, sample, allow_unused_input=True)
+    graphed(env.randn(3, 4, dtype=torch.float64, requires_grad=True)).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="recorded while a CUDA graph was captured"):
+        store.seal()
+    # The records were discarded: the store records an eager kernel as before (fp64).
+    eager = _DelayedHead(env, store)
     h = env.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    head(h).pow(2).sum().backward()
+    eager(h).pow(2).sum().backward()
     store.seal().run()
-    w = head.weight.detach().requires_grad_()
+    w = eager.weight.detach().requires_grad_()
     (h.detach() @ w).pow(2).sum().backward()
-    torch.testing.assert_close(head.weight.grad, w.grad)
+    torch.testing.assert_close(eager.weight.grad, w.grad)
+
+
+def test_a_whole_step_graph_records_seals_and_runs_w_inside_one_capture(env: Env) -> None:
+    # Capturing B and its W pass together replays both: main_grad gets every
+    # replay's weight gradient (fused W), as eager fp64 autograd.
+    store = WeightGradStore()
+    w = torch.nn.Parameter(env.randn(4, 4, dtype=torch.float64))
+    w.main_grad = torch.zeros_like(w)  # type: ignore[attr-defined]
+    h = env.randn(3, 4, dtype=torch.float64)
+
+    def step() -> None:
+        _DelayedMatmul.apply(h, w, store, True).pow(2).sum().backward()
+        store.seal().run()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up, as torch asks before capturing a backward
+    torch.cuda.current_stream().wait_stream(side)
+    w.main_grad.zero_()  # type: ignore[attr-defined]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    xs = [env.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    for x in xs:
+        h.copy_(x)
+        graph.replay()
+    ref = w.detach().clone().requires_grad_()
+    for x in xs:
+        (x @ ref).pow(2).sum().backward()
+    torch.testing.assert_close(w.main_grad, ref.grad)  # type: ignore[attr-defined]
+
+
+def test_a_w_pass_sealed_in_a_capture_and_run_after_it_is_refused(env: Env) -> None:
+    store = WeightGradStore()
+    w = torch.nn.Parameter(env.randn(4, 4, dtype=torch.float64))
+    h = env.randn(3, 4, dtype=torch.float64)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _DelayedMatmul.apply(h, w, store, False).pow(2).sum().backward()
+        pending = store.seal()
+    with pytest.raises(RuntimeError, match="recorded while a CUDA graph was captured"):
+        pending.run()
+    assert w.grad is None
 
 
 def _mark_gradsafe(p: torch.nn.Parameter) -> None:

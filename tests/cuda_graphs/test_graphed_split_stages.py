@@ -480,14 +480,16 @@ class _DelayedStage(torch.nn.Module):
         return torch.tanh(_DelayedMatmulFn.apply(x, self.w, self.store))
 
 
-def test_a_wgrad_store_kernel_inside_a_graphed_stage_is_refused_at_capture(env: Env) -> None:
-    # B's graph replays no Python: the store would hold the warm-up's and the
+def test_a_wgrad_store_kernel_inside_a_graphed_stage_is_refused_at_the_next_seal(env: Env) -> None:
+    # B's graph replays no Python: the store held the warm-up's and the
     # capture's records, and no replay would ever record the weight's gradient
     # (accepted silently before).
     order = CaptureOrder(
         [CaptureEntry.forward(0, 0), CaptureEntry.dgrad(0, 0), CaptureEntry.wgrad(0, 0)]
     )
-    stage = _DelayedStage(WeightGradStore()).to(env.device)
+    store = WeightGradStore()
+    stage = _DelayedStage(store).to(env.device)
     sample = (torch.randn(ROWS, WIDTH, dtype=D, device=env.device, requires_grad=True),)
-    with pytest.raises(RuntimeError, match="recorded while a CUDA graph is captured"):
-        make_graphed_split_callables([stage], [sample], order)
+    make_graphed_split_callables([stage], [sample], order)
+    with pytest.raises(RuntimeError, match="recorded while a CUDA graph was captured"):
+        store.seal()
