@@ -43,6 +43,11 @@ def add_parser(commands: Any) -> None:
         "--time", action="store_true", help="also time each run's backward (wall and thread CPU)"
     )
     verify.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure each run's peak live tensor memory (counted on CPU too) against fused",
+    )
+    verify.add_argument(
         "--schedule",
         choices=_SCHEDULES,
         help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=getattr(torch, args.dtype),
             orders=orders,
             time_backward=args.time,
+            memory=args.memory,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except Exception as exc:  # the user's factory or model: report, exit 2
