@@ -25,7 +25,7 @@ from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._live_bytes import LiveBytes
 from gradsafe.pipelining._verify_hooks import HookCounter
 
-__all__ = ["ORDERS", "RunResult", "Split", "events", "projection_loss", "run"]
+__all__ = ["ORDERS", "RunResult", "Split", "cast_module", "events", "projection_loss", "run"]
 
 ORDERS: dict[str, str] = {
     "w-after-b": "each W right after its B",
@@ -81,6 +81,25 @@ def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str,
     if order == "w-reversed":
         pending.reverse()
     return out + [("W", s, k) for s, k in pending]
+
+
+# Module.to(float64) would cast a complex buffer (a RoPE cache) to real, dropping
+# its imaginary part: complex tensors get the complex dtype of the same precision.
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with floating parameters and buffers in ``dtype``, complex ones in its complex
+    counterpart (kept as they are for 16-bit dtypes), in place."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        if t.is_complex() and dtype in _COMPLEX:
+            return t.to(_COMPLEX[dtype])
+        return t
+
+    return module._apply(cast)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -148,7 +167,7 @@ def _run(
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
     # One deep copy of all stages: a parameter two stages share (tied
     # embeddings on a V-shaped rank) stays shared.
-    copies = [m.to(dtype) for m in copy.deepcopy(list(modules))]
+    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
     for c in copies:
         for p in c.parameters():
             p.grad = None
