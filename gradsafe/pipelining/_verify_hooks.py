@@ -214,7 +214,7 @@ class _RegisterHookTap:
         torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
 
     def _uninstall(self) -> None:
-        if torch.Tensor.register_hook is self._installed:
+        if self._original is not None and torch.Tensor.register_hook is self._installed:
             torch.Tensor.register_hook = self._original  # type: ignore[method-assign]
         self._original = self._installed = None
 

@@ -182,7 +182,7 @@ def _run(
     handoffs: dict[tuple[int, int], Any] = {}
     wall = cpu = 0.0
     step = ("", 0, 0)
-    existing = [p for c in copies for p in c.parameters()]
+    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
     existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
     live = LiveBytes(existing) if memory else None
     try:
