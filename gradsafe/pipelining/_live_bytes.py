@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradsafe.pipelining._torch import TorchDispatchMode, storage_key
 
 __all__ = ["LiveBytes"]
 
@@ -30,7 +31,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._existing = {t.untyped_storage()._cdata for t in existing}
+        self._existing = {storage_key(t) for t in existing}
         self.peak = 0
 
     def live(self) -> int:
@@ -42,9 +43,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
+                key = storage_key(t)
                 if key not in self._storages and key not in self._existing:
+                    storage = t.untyped_storage()
                     self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
         self.peak = max(self.peak, self.live())
         return out

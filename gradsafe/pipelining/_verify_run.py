@@ -23,6 +23,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._live_bytes import LiveBytes
+from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
 
 __all__ = ["ORDERS", "RunResult", "Split", "cast_module", "events", "projection_loss", "run"]
@@ -99,7 +100,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
             return t.to(_COMPLEX[dtype])
         return t
 
-    return module._apply(cast)
+    return apply_to_tensors(module, cast)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:

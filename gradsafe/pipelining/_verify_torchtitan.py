@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsafe.pipelining._torch import device_probes_answer
+
 __all__ = ["build_stages", "import_torchtitan"]
 
 SEQ_LEN = 16  # divisible by the chunked loss's 8 chunks
@@ -58,17 +60,10 @@ def import_torchtitan(model: str = "llama3") -> ModuleType:
     (torchtitan was imported before with another device type: import it
     through this function first).
     """
-    import torch._utils
-
-    probes = torch._utils._get_available_device_type, torch._utils._get_device_module
-    torch._utils._get_available_device_type = lambda: "cpu"
-    torch._utils._get_device_module = lambda device_type: _cpu_device_module()  # type: ignore[assignment]
-    try:
+    with device_probes_answer("cpu", _cpu_device_module()):
         import torchtitan.tools.utils
 
         registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-    finally:
-        torch._utils._get_available_device_type, torch._utils._get_device_module = probes
     if torchtitan.tools.utils.device_type != "cpu":
         raise RuntimeError(
             "torchtitan was imported with device type "
