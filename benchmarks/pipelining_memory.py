@@ -30,38 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.pipelining._live_bytes import LiveBytes
 
 MiB = 1 << 20
-
-
-class LiveBytes(TorchDispatchMode):
-    """Tracks every storage an operator creates; reports the live total and its peak."""
-
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        # Storages of parameters and inputs: views of them are not new memory.
-        self.existing = {t.untyped_storage()._cdata for t in existing}
-        self.peak = 0
-
-    def live(self) -> int:
-        self.storages = {k: v for k, v in self.storages.items() if not v[0].expired()}
-        return sum(n for _, n in self.storages.values())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.storages and key not in self.existing:
-                    self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, self.live())
-        return out
 
 
 def run(impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> dict[str, float]:

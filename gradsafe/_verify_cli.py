@@ -29,7 +29,7 @@ def add_parser(commands: Any) -> None:
         "split this model (the reason is printed) or the model could not be built or run. "
         "Runs with one intra-op thread unless OMP_NUM_THREADS is set.",
     )
-    verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY")
+    verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY", nargs="?")
     verify.add_argument(
         "--orders",
         default=",".join(_ORDERS),
@@ -43,11 +43,24 @@ def add_parser(commands: Any) -> None:
         "--time", action="store_true", help="also time each run's backward (wall and thread CPU)"
     )
     verify.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure each run's peak live tensor memory (counted on CPU too) against fused",
+    )
+    verify.add_argument(
         "--schedule",
         choices=_SCHEDULES,
         help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
         "with and without gradsafe.patch('pipelining'), against one process (FACTORY must "
         "return 2 stages per rank; V-shaped placement for ZBV and DualPipeV)",
+    )
+    verify.add_argument(
+        "--torchtitan",
+        metavar="MODEL[:CONFIG]",
+        help="instead of FACTORY, build torchtitan.models.MODEL's config CONFIG (default "
+        "MODEL_debugmodel) from torchtitan's config registry, cut to one layer per stage, split "
+        "into the stages torchtitan's pipeline makes for --schedule on --ranks ranks, with the "
+        "config's activation checkpointing, and verify them in one process (needs --schedule)",
     )
     verify.add_argument(
         "--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks for --schedule (default 2)"
@@ -65,12 +78,28 @@ def run(args: argparse.Namespace) -> int:
         # spin on them (a 12-block d=128 model: 14 s with one thread, 100 s
         # with two on a loaded 2-core machine). OMP_NUM_THREADS overrides.
         torch.set_num_threads(1)
-    if args.schedule:
+    if (args.factory is None) == (args.torchtitan is None):
+        print(
+            "gradsafe verify: give either FACTORY or --torchtitan MODEL[:CONFIG]", file=sys.stderr
+        )
+        return REFUSED
+    if args.torchtitan is not None and args.schedule is None:
+        print(
+            "gradsafe verify: --torchtitan needs --schedule NAME (the stages depend on it)",
+            file=sys.stderr,
+        )
+        return REFUSED
+    if args.schedule and args.torchtitan is None:
         return _run_schedule(args)
 
     orders = [o for o in args.orders.split(",") if o]
     try:
-        module, microbatches, *rest = load_factory(args.factory)
+        if args.torchtitan is not None:
+            from gradsafe.pipelining._verify_torchtitan import build_stages
+
+            module, microbatches, *rest = build_stages(args.torchtitan, args.schedule, args.ranks)
+        else:
+            module, microbatches, *rest = load_factory(args.factory)
         report = verify(
             module,
             microbatches,
@@ -78,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=getattr(torch, args.dtype),
             orders=orders,
             time_backward=args.time,
+            memory=args.memory,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except Exception as exc:  # the user's factory or model: report, exit 2

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsafe.pipelining._verify_factory import load_factory
-from gradsafe.pipelining._verify_run import projection_loss
+from gradsafe.pipelining._verify_run import cast_module, projection_loss
 from gradsafe.pipelining._verify_schedule import placement
 
 
@@ -47,7 +47,7 @@ def main() -> None:
         # Cast first: loading copies into the parameters' own dtype, which
         # depends on this process's default dtype.
         for module, state in zip(stages, saved["states"]):
-            module.to(dtype).load_state_dict(state)
+            cast_module(module, dtype).load_state_dict(state)
         indices = placement(schedule, ranks)[rank]
         mine = {i: stages[i] for i in indices}
         for module in mine.values():

@@ -38,7 +38,13 @@ and :func:`missing_feature` reports it before the patch is applied:
   parameter): which parameter autograd saw for the sharded one a caller passes;
 - ``torch.distributed.pipelining._backward``, where torch's split functions
   live (the hazard reproductions call whichever is installed there), and the
-  schedules' ``_Action`` (parsing an action's string form, for capture orders).
+  schedules' ``_Action`` (parsing an action's string form, for capture orders);
+- for ``verify``: ``TorchDispatchMode`` (``torch.utils._python_dispatch``) and
+  ``UntypedStorage._cdata`` (a storage's identity) to count live tensor memory
+  on any device; ``nn.Module._apply`` to cast floating and complex tensors of
+  a copy apart (``Module.to`` casts complex buffers to real); torch's device
+  probes ``torch._utils._get_available_device_type`` / ``_get_device_module``,
+  which torchtitan reads once at import to pick its device.
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ import dataclasses
 import functools
 import importlib
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
+import torch._utils
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointFunction
 
 # The node class of a reentrant checkpoint region (read once: checked per weight node per B).
@@ -60,6 +68,10 @@ _REENTRANT_NODE: Any = getattr(CheckpointFunction, "_backward_cls", ())
 
 __all__ = [
     "DONATED_BUFFERS",
+    "TorchDispatchMode",
+    "apply_to_tensors",
+    "device_probes_answer",
+    "storage_key",
     "EngineError",
     "call_node",
     "engine_error",
@@ -461,3 +473,27 @@ def tensor_hook_dicts(t: torch.Tensor) -> tuple[dict[Any, Any] | None, dict[Any,
 def module_backward_hook_dicts(module: torch.nn.Module) -> tuple[dict[Any, Any], dict[Any, Any]]:
     """``module``'s full-backward hook dict and backward pre-hook dict (the objects themselves)."""
     return module._backward_hooks, module._backward_pre_hooks
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, shared by its views, valid while the storage lives."""
+    return t.untyped_storage()._cdata
+
+
+def apply_to_tensors(
+    module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.nn.Module:
+    """``fn`` applied to every parameter and buffer of ``module``, in place, as ``Module.to`` does."""
+    return module._apply(fn)
+
+
+@contextlib.contextmanager
+def device_probes_answer(device_type: str, device_module: Any) -> Iterator[None]:
+    """While inside, torch's accelerator probes report ``device_type`` and ``device_module``."""
+    probes = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: device_type
+    torch._utils._get_device_module = lambda device_type=None: device_module  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = probes

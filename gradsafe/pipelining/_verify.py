@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -21,6 +22,7 @@ from gradsafe.pipelining._verify_report import (
     WRONG,
     GradRow,
     HookRow,
+    Memory,
     OrderResult,
     Timing,
     VerifyReport,
@@ -64,6 +66,7 @@ def verify(
     dtype: torch.dtype = torch.float64,
     orders: Sequence[str] = tuple(ORDERS),
     time_backward: bool = False,
+    memory: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check, on copies of ``module``, that gradsafe's split backward gives a fused backward's gradients.
@@ -89,6 +92,10 @@ def verify(
             gradient from rounding best).
         orders: names from :data:`ORDERS`.
         time_backward: also measure each run's backward wall and thread CPU time.
+        memory: also measure each run's peak live tensor memory (see
+            :class:`~gradsafe.pipelining._verify_report.Memory`); with
+            ``time_backward`` it is measured in extra runs, so that the
+            counting does not slow the timed ones.
         progress: called with one line per run (the command line prints it).
 
     Returns:
@@ -110,10 +117,23 @@ def verify(
         raise ValueError("microbatches is empty: pass at least one microbatch.")
     say = progress or (lambda line: None)
 
-    def one(split: Split | None, order: str | None, label: str) -> RunResult:
+    # Counting memory costs a Python call per operator: never in a timed run.
+    count_in_checked_runs = memory and not time_backward
+
+    def one(
+        split: Split | None, order: str | None, label: str, count: bool = count_in_checked_runs
+    ) -> RunResult:
         say(f"verify: {label} ...")
         return _verify_run.run(
-            modules, batches, loss_fn, dtype, split, order, _SEED, find_hazards=split is None
+            modules,
+            batches,
+            loss_fn,
+            dtype,
+            split,
+            order,
+            _SEED,
+            find_hazards=split is None,
+            memory=count,
         )
 
     if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
@@ -128,7 +148,38 @@ def verify(
     for order in orders:
         runs["gradsafe"][order] = one(_gradsafe_split(), order, f"gradsafe's split, {order}")
         runs["upstream"][order] = one(_torch_split(), order, f"torch's split, {order}")
-    return _report(reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward)
+    peaks = None
+    if memory:
+        peaks = _peaks(reference, runs) if count_in_checked_runs else _measure_peaks(one, orders)
+    report = _report(
+        reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
+    )
+    return dataclasses.replace(report, memory=peaks)
+
+
+def _peaks(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]]
+) -> dict[str, dict[str, Memory]]:
+    def of(run: RunResult) -> Memory | None:
+        return None if run.error is not None or run.peak_bytes is None else Memory(run.peak_bytes)
+
+    table: dict[str, dict[str, Memory | None]] = {"fused": {"fused": of(reference)}}
+    table |= {impl: {o: of(r) for o, r in per.items()} for impl, per in runs.items()}
+    return {impl: {o: m for o, m in per.items() if m is not None} for impl, per in table.items()}
+
+
+def _measure_peaks(
+    one: Callable[..., RunResult], orders: Sequence[str]
+) -> dict[str, dict[str, Memory]]:
+    reference = one(None, None, "fused backward (memory)", True)
+    runs = {
+        impl: {o: one(make(), o, f"{name}, {o} (memory)", True) for o in orders}
+        for impl, name, make in (
+            ("gradsafe", "gradsafe's split", _gradsafe_split),
+            ("upstream", "torch's split", _torch_split),
+        )
+    }
+    return _peaks(reference, runs)
 
 
 def _report(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -137,20 +138,14 @@ class HookCounter:
 
     @contextlib.contextmanager
     def forward_phase(self) -> Iterator[None]:
-        """Wrap tensor hooks registered while the copies run a forward."""
-        original = torch.Tensor.register_hook
-        counter = self
-
-        def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
-            if getattr(hook, "__code__", None) not in multi_grad_hook_codes():
-                hook = counter.wrap(hook, f"tensor hook {_name(hook)} (registered in forward)")
-            return original(tensor, hook)
-
-        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
-        try:
+        """Wrap tensor hooks this thread registers while the copies run a forward."""
+        with _REGISTER_HOOK_TAP.counting(self):
             yield
-        finally:
-            torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+    def _tensor_hook(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(hook, "__code__", None) in multi_grad_hook_codes():
+            return hook
+        return self.wrap(hook, f"tensor hook {_name(hook)} (registered in forward)")
 
     def instrument_graph(self, roots: Sequence[Node], stop: set[Node]) -> None:
         """Wrap the node hooks and custom-Function backwards in the graph behind ``roots``."""
@@ -170,3 +165,58 @@ class HookCounter:
                 node.apply = self.wrap(node.apply, f"custom Function {_name(kind)} backward")  # type: ignore[attr-defined]
                 setattr(node, _COUNTED, True)
             stack.extend(kid for kid, _ in node.next_functions if kid is not None)
+
+
+class _RegisterHookTap:
+    """``torch.Tensor.register_hook``, replaced while some thread runs a verify forward.
+
+    The replacement is process-wide (a tensor method), so it consults a
+    thread-local counter: a thread that is not inside ``counting`` (a training
+    loop beside the verify, a data loader) registers its hooks unchanged and
+    uncounted. Nested and concurrent verifies share one replacement, installed
+    by the first and removed by the last; if someone else replaced the method
+    meanwhile, theirs is left in place (ours then only passes calls through).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._users = 0
+        self._original: Callable[..., Any] | None = None
+        self._installed: Callable[..., Any] | None = None
+
+    @contextlib.contextmanager
+    def counting(self, counter: HookCounter) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._install()
+            self._users += 1
+        outer = getattr(self._local, "counter", None)
+        self._local.counter = counter
+        try:
+            yield
+        finally:
+            self._local.counter = outer
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._uninstall()
+
+    def _install(self) -> None:
+        original = torch.Tensor.register_hook
+        local = self._local
+
+        def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+            counter = getattr(local, "counter", None)
+            return original(tensor, hook if counter is None else counter._tensor_hook(hook))
+
+        self._original, self._installed = original, register_hook
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+
+    def _uninstall(self) -> None:
+        if self._original is not None and torch.Tensor.register_hook is self._installed:
+            torch.Tensor.register_hook = self._original  # type: ignore[method-assign]
+        self._original = self._installed = None
+
+
+_REGISTER_HOOK_TAP = _RegisterHookTap()

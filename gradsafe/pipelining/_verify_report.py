@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GradRow", "HookRow", "OrderResult", "Timing", "VerifyReport"]
+__all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport"]
 
 # Verdicts of one implementation in one W order.
 EXACT = "exact"  # gradsafe: equal to fused within tolerance
@@ -63,6 +63,21 @@ class Timing:
 
 
 @dataclasses.dataclass(frozen=True)
+class Memory:
+    """Peak live tensor memory of one run, forwards and backwards of every microbatch.
+
+    Bytes of the tensor storages operators created from the first forward on
+    (activations, saved tensors, B's handoffs, gradients) that were alive at
+    the same time, counted on any device by a dispatch mode; the copies'
+    parameters and the microbatches are not counted. The harness keeps each
+    stage's output until the run ends in every run alike, so differences
+    between runs are what the W order and the split keep alive.
+    """
+
+    peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """The result of :func:`gradsafe.pipelining.verify`.
 
@@ -87,6 +102,7 @@ class VerifyReport:
     hazards: Mapping[str, tuple[str, ...]]
     refused: str | None
     timing: Mapping[str, Mapping[str, Timing]] | None = None
+    memory: Mapping[str, Mapping[str, Memory]] | None = None  # as timing; crashed runs left out
 
     @property
     def ok(self) -> bool:
@@ -190,6 +206,15 @@ class VerifyReport:
                     lines.append(
                         f"  {impl:8} {order:12} {t.cpu_s:8.3f} s cpu ({t.cpu_s / max(fused.cpu_s, 1e-9):.2f}x)"
                         f" {t.wall_s:8.3f} s wall ({t.wall_s / max(fused.wall_s, 1e-9):.2f}x)"
+                    )
+        if self.memory:
+            fused_peak = self.memory["fused"]["fused"].peak_bytes
+            lines += ["", "Peak live tensor memory (MiB, x fused):"]
+            for impl, per_order in self.memory.items():
+                for order, m in per_order.items():
+                    lines.append(
+                        f"  {impl:8} {order:12} {m.peak_bytes / 2**20:10.3f} MiB"
+                        f" ({m.peak_bytes / max(fused_peak, 1):.2f}x)"
                     )
         lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
         return "\n".join(lines)

@@ -10,6 +10,7 @@ same sequence, so dropout and other random ops draw the same numbers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import time
@@ -21,9 +22,11 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from gradsafe.pipelining import _verify_hazards
+from gradsafe.pipelining._live_bytes import LiveBytes
+from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
 
-__all__ = ["ORDERS", "RunResult", "Split", "events", "projection_loss", "run"]
+__all__ = ["ORDERS", "RunResult", "Split", "cast_module", "events", "projection_loss", "run"]
 
 ORDERS: dict[str, str] = {
     "w-after-b": "each W right after its B",
@@ -55,6 +58,7 @@ class RunResult:
     error: BaseException | None = None
     where: str = ""
     timing: tuple[float, float] = (0.0, 0.0)  # backward wall, thread CPU
+    peak_bytes: int | None = None  # most live storage created from the first forward on
     hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
@@ -78,6 +82,25 @@ def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str,
     if order == "w-reversed":
         pending.reverse()
     return out + [("W", s, k) for s, k in pending]
+
+
+# Module.to(float64) would cast a complex buffer (a RoPE cache) to real, dropping
+# its imaginary part: complex tensors get the complex dtype of the same precision.
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with floating parameters and buffers in ``dtype``, complex ones in its complex
+    counterpart (kept as they are for 16-bit dtypes), in place."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        if t.is_complex() and dtype in _COMPLEX:
+            return t.to(_COMPLEX[dtype])
+        return t
+
+    return apply_to_tensors(module, cast)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -114,17 +137,21 @@ def run(
     order: str | None,
     seed: int,
     find_hazards: bool = False,
+    memory: bool = False,
 ) -> RunResult:
     """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``, from RNG seed ``seed``.
 
-    The caller's RNG state (CPU, and the CUDA devices the modules are on) is restored after.
+    With ``memory``, ``peak_bytes`` is the peak of the tensor storage created
+    from the first forward on and still alive (activations, saved tensors,
+    handoffs, gradients; not the copies' parameters). The caller's RNG state
+    (CPU, and the CUDA devices the modules are on) is restored after.
     """
     devices = sorted(
         {p.device.index or 0 for m in modules for p in m.parameters() if p.device.type == "cuda"}
     )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards)
+        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards, memory)
 
 
 def _run(
@@ -135,12 +162,13 @@ def _run(
     split: Split | None,
     order: str | None,
     find_hazards: bool,
+    memory: bool,
 ) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
     # One deep copy of all stages: a parameter two stages share (tied
     # embeddings on a V-shaped rank) stays shared.
-    copies = [m.to(dtype) for m in copy.deepcopy(list(modules))]
+    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
     for c in copies:
         for p in c.parameters():
             p.grad = None
@@ -155,22 +183,26 @@ def _run(
     handoffs: dict[tuple[int, int], Any] = {}
     wall = cpu = 0.0
     step = ("", 0, 0)
+    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
+    existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
+    live = LiveBytes(existing) if memory else None
     try:
-        for step in events(order, n, len(microbatches)):
-            kind, s, k = step
-            if kind == "F":
-                _forward(copies, microbatches[k], k, loss_fn, dtype, counter, inputs, outputs)
-                if find_hazards and k == 0:
-                    for hazard, params in _hazards(copies, prefixes, inputs, outputs).items():
-                        result.hazards.setdefault(hazard, set()).update(params)
-                continue
-            counter.in_backward = True
-            started, started_cpu = time.perf_counter(), time.thread_time()
-            out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
-            _backward(kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs)
-            wall += time.perf_counter() - started
-            cpu += time.thread_time() - started_cpu
-            counter.in_backward = False
+        with live if live is not None else contextlib.nullcontext():
+            for step in events(order, n, len(microbatches)):
+                kind, s, k = step
+                if kind == "F":
+                    _forward(copies, microbatches[k], k, loss_fn, dtype, counter, inputs, outputs)
+                    if find_hazards and k == 0:
+                        for hazard, params in _hazards(copies, prefixes, inputs, outputs).items():
+                            result.hazards.setdefault(hazard, set()).update(params)
+                    continue
+                counter.in_backward = True
+                started, started_cpu = time.perf_counter(), time.thread_time()
+                out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
+                _backward(kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs)
+                wall += time.perf_counter() - started
+                cpu += time.thread_time() - started_cpu
+                counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
         result.error = exc
         result.where = f"{step[0]} of stage {step[1]}, microbatch {step[2]}"
@@ -178,6 +210,7 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (wall, cpu)
+    result.peak_bytes = None if live is None else live.peak
     for s, c in enumerate(copies):
         for name, p in c.named_parameters():
             if p.requires_grad:

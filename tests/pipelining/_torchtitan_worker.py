@@ -21,10 +21,9 @@ token count, as torchtitan normalizes), clips with the same max norm and writes
 outdir/reference.pt with the gradients.
 
 What no torchtitan option covers, done here instead:
-- CPU: torchtitan picks its device type and device module once, at import
-  (``torchtitan.tools.utils.get_device_info``: ``torch._utils._get_available_device_type()`` or
-  "cuda"), so ``_import_torchtitan`` makes torch's two probes answer "cpu" and a ``torch.cpu``
-  shim with the memory queries torchtitan's metrics make, only while torchtitan is imported.
+- CPU: torchtitan picks its device type and device module once, at import, so it is imported
+  through ``gradsafe.pipelining._verify_torchtitan.import_torchtitan`` (which ``gradsafe verify
+  --torchtitan`` uses too): torch's two probes answer "cpu" while torchtitan is imported.
   gloo follows: ``init_distributed`` takes the backend torch maps the device type to.
 - gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for torchtitan's gradient divide factor
   of 1 once there are 2 data-parallel ranks: the stages' FSDP modules are told
@@ -45,44 +44,12 @@ from typing import Any
 
 import torch
 
+from gradsafe.pipelining._verify_torchtitan import import_torchtitan
+
 STEPS = 3
 SEQ_LEN = 16  # divisible by the chunked loss's 8 chunks
 MICROBATCHES = 4  # per data-parallel rank and step (microbatch size 1)
 SEED = 1234
-
-
-def _cpu_device_module() -> Any:
-    """torch.cpu, plus the memory queries torchtitan's metrics make of a device module."""
-    from types import SimpleNamespace
-
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return SimpleNamespace(
-        set_device=torch.cpu.set_device,
-        device_count=torch.cpu.device_count,
-        synchronize=torch.cpu.synchronize,
-        current_device=lambda: 0,  # an index, as barrier(device_ids=...) wants
-        get_device_name=lambda device=None: "cpu",
-        get_device_properties=lambda device=None: SimpleNamespace(name="cpu", total_memory=memory),
-        reset_peak_memory_stats=lambda device=None: None,
-        empty_cache=lambda: None,
-        memory_stats=lambda device=None: {},
-    )
-
-
-def _import_torchtitan() -> Any:
-    import torch._utils
-
-    probes = torch._utils._get_available_device_type, torch._utils._get_device_module
-    torch._utils._get_available_device_type = lambda: "cpu"
-    torch._utils._get_device_module = lambda device_type: _cpu_device_module()  # type: ignore[assignment]
-    try:
-        import torchtitan.tools.utils
-        from torchtitan.models.llama3 import config_registry
-    finally:
-        torch._utils._get_available_device_type, torch._utils._get_device_module = probes
-    if torchtitan.tools.utils.device_type != "cpu":  # torchtitan already imported elsewhere
-        raise RuntimeError("torchtitan was imported before the CPU device could be forced")
-    return config_registry
 
 
 def _components() -> tuple[Any, Any]:
@@ -169,7 +136,7 @@ def config(
     cross-entropy loss (lm_head applied in the loss), AdamW with warmup, gradient clipping at 1.0
     (but see dp > 1 below).
     """
-    config_registry = _import_torchtitan()
+    config_registry = import_torchtitan("llama3")
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
     NoTokenizer, RandomTokens = _components()

@@ -251,3 +251,29 @@ def test_hazard_scan_tells_nested_from_overlapping_uses() -> None:
     assert verify(ReusedLinear(bias=True), _batches(1), orders=("w-after-b",)).hazards == {
         "H1 nested shared weight": ("lin.bias", "lin.weight")
     }
+
+
+class _ComplexRope(nn.Module):
+    """A rotary embedding with a complex cache, as torchtitan's ComplexRoPE keeps one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        angles = torch.arange(3.0)[:, None] * torch.arange(1.0, 3.0)[None, :]
+        self.register_buffer("cache", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.cache.is_complex():
+            raise TypeError(f"the rotary cache lost its imaginary part: {self.cache.dtype}")
+        h = torch.view_as_complex(self.lin(x).reshape(3, 2, 2).contiguous())
+        return torch.view_as_real(h * self.cache).flatten(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_complex_buffers_keep_their_imaginary_part_in_the_copies(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    module = _ComplexRope()
+    before = module.cache.clone()
+    report = verify(module, _batches(2), dtype=dtype, orders=("w-after-b",))
+    assert report.ok, str(report)
+    assert module.cache.dtype == before.dtype and torch.equal(module.cache, before)
