@@ -522,8 +522,10 @@ def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[No
     a leaf), None for one that cannot be identified. Mode ``"all"`` keeps
     those nodes in its closure. Mode ``"any"`` keeps nothing: its one hook
     function sits in the hook dict of each tensor, so when more dicts hold it
-    than ``tensors`` account for, the other holders are found through the
-    garbage collector's referrers (costly: only then).
+    than ``tensors`` account for, the other holders are looked for through
+    the garbage collector's referrers (costly: only then); a tensor autograd
+    also holds (e.g. a leaf with a live gradient accumulator) is invisible to
+    the collector, and counts as unidentified.
     """
     spans: dict[int, tuple[Node | None, ...]] = {}
     any_hooks: dict[int, Any] = {}
@@ -549,7 +551,8 @@ def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[No
         if holders[key] == len(known):
             spans[key] = tuple(nodes[id(t)] for t in known)
         else:
-            spans[key] = _holder_nodes(hook, ignore=any_hooks)
+            known_dicts = {id(t._backward_hooks): nodes[id(t)] for t in known}
+            spans[key] = _holder_nodes(hook, any_hooks, known_dicts)
     return spans
 
 
@@ -573,20 +576,25 @@ _REF_OVERHEAD = _ref_overhead()
 _REF_OVERHEAD_PROBE.clear()
 
 
-def _holder_nodes(hook: Any, ignore: dict[int, Any]) -> tuple[Node | None, ...]:
+def _holder_nodes(hook: Any, ignore: dict[int, Any], known: dict[int, Node]) -> tuple[Node | None, ...]:
+    """The node of each tensor whose hook dict holds ``hook`` (``known``: by dict id), None where unidentified."""
     import gc
 
     found: list[Node | None] = []
     for holder in gc.get_referrers(hook):
         if holder is ignore or not isinstance(holder, dict) or not _holds(holder, hook):
             continue
-        owners = [t for t in gc.get_referrers(holder) if isinstance(t, torch.Tensor) and t._backward_hooks is holder]
+        if id(holder) in known:
+            found.append(known[id(holder)])
+            continue
+        if "__builtins__" in holder:
+            continue  # a module's globals, not a tensor's hook dict
+        owners = [
+            t for t in gc.get_referrers(holder) if isinstance(t, torch.Tensor) and t._backward_hooks is holder
+        ]
+        found.extend(get_gradient_edge(t).node if t.requires_grad else None for t in owners)
         if not owners:
-            if "__builtins__" in holder:
-                continue  # a module's globals, not a tensor's hook dict
             found.append(None)
-        for t in owners:
-            found.append(get_gradient_edge(t).node if t.requires_grad else None)
     return tuple(found)
 
 
@@ -665,7 +673,7 @@ def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) ->
             (x, w), lambda grads: None, mode=mode  # type: ignore[arg-type]
         )
         try:
-            spans = multi_grad_hook_spans([x])
+            spans = multi_grad_hook_spans([x, w])
             joined = list(spans.values()) == [(get_gradient_edge(x).node, get_gradient_edge(w).node)]
         finally:
             handle.remove()
