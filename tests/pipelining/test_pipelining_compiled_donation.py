@@ -44,11 +44,15 @@ def _stage(block, w1: nn.Parameter, w2: nn.Parameter, x: torch.Tensor) -> torch.
     return block(block(x, w1), w2) + x @ w1.T
 
 
-def _fused_eager(w1: nn.Parameter, w2: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+def _fused_eager(
+    w1: nn.Parameter, w2: nn.Parameter, x: torch.Tensor, g: torch.Tensor
+) -> list[torch.Tensor]:
     return list(torch.autograd.grad(_stage(_block, w1, w2, x), [x, w1, w2], g))
 
 
-def _split(block, w1: nn.Parameter, w2: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def _split(
+    block, w1: nn.Parameter, w2: nn.Parameter, x: torch.Tensor, g: torch.Tensor
+) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     for t in (x, w1, w2):
         t.grad = None
     (dx,), handoff = stage_backward_input([_stage(block, w1, w2, x)], [g], [x], [w1, w2])
@@ -89,7 +93,9 @@ def _torch_refuses_a_kept_graph(block, w1: nn.Parameter, w2: nn.Parameter, x: to
 
 
 @pytest.mark.parametrize("backend", _BACKENDS)
-def test_block_warmed_up_by_a_fused_backward_is_refused_at_b_exactly_when_torch_refuses(backend: str) -> None:
+def test_block_warmed_up_by_a_fused_backward_is_refused_at_b_exactly_when_torch_refuses(
+    backend: str,
+) -> None:
     """aot_eager's warm-up compiles the backward donating its buffers; inductor's (on CPU, here)
     donates none: refused in the first case, exact in the second, decided from torch's state."""
     torch._dynamo.reset()

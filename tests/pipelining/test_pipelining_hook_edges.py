@@ -41,12 +41,16 @@ def _run(forward: Forward, split: bool) -> list[Any]:
 def _assert_same(forward: Forward) -> None:
     fused = _run(forward, split=False)
     split = _run(forward, split=True)
-    assert len(split[3]) == len(fused[3]), f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    assert len(split[3]) == len(fused[3]), (
+        f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    )
     for f, s in zip(fused[:3], split[:3]):
         torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
     for f, s in zip(fused[3], split[3]):
         for ft, st in zip(f, s):
-            assert (ft is None) == (st is None), "a hook saw None where a fused backward gives a gradient"
+            assert (ft is None) == (st is None), (
+                "a hook saw None where a fused backward gives a gradient"
+            )
             if ft is not None:
                 torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
 
@@ -75,22 +79,35 @@ def _record(calls: list[Any]) -> Callable[[Any], None]:
 # --- multi-grad hooks ------------------------------------------------------------------------
 
 
-_SPANS: dict[str, Callable[[nn.Parameter, nn.Parameter, torch.Tensor], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = {
+_SPANS: dict[
+    str,
+    Callable[
+        [nn.Parameter, nn.Parameter, torch.Tensor], tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+    ],
+] = {
     # (stage output, tensors the hook spans)
-    "input and weight-only non-leaf": lambda w, u, x: (lambda wt: (torch.tanh(x @ wt) @ u, (x, wt)))(w * 2),
+    "input and weight-only non-leaf": lambda w, u, x: (
+        lambda wt: (torch.tanh(x @ wt) @ u, (x, wt))
+    )(w * 2),
     "parameter and activation": lambda w, u, x: (lambda h: (h @ u, (u, h)))(torch.tanh(x @ w)),
-    "parameter and weight-only non-leaf": lambda w, u, x: (lambda wt: (torch.tanh(x @ wt) @ u, (w, wt)))(w * 2),
+    "parameter and weight-only non-leaf": lambda w, u, x: (
+        lambda wt: (torch.tanh(x @ wt) @ u, (w, wt))
+    )(w * 2),
     "input and parameter": lambda w, u, x: (torch.tanh(x @ w) @ u, (x, w)),
 }
 
 
 @pytest.mark.parametrize("mode", ["any", "all"])
 @pytest.mark.parametrize("span", sorted(_SPANS))
-def test_multi_grad_hook_on_an_input_or_parameter_spanning_anything_else_is_refused_at_b(span: str, mode: str) -> None:
+def test_multi_grad_hook_on_an_input_or_parameter_spanning_anything_else_is_refused_at_b(
+    span: str, mode: str
+) -> None:
     """Fused: fires once with every gradient. Split: B, W's weight-only pass and W's delivery are
     separate engine passes, so it would fire twice (any) or with part of its gradients (all)."""
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         out, tensors = _SPANS[span](w, u, x)
         torch.autograd.graph.register_multi_grad_hook(tensors, _record(calls), mode=mode)
         return out
@@ -104,7 +121,9 @@ def test_multi_grad_hook_over_parameters_and_another_stages_parameter_is_exact(m
     runs every accumulator in one pass, as a fused backward of this stage does."""
     other = nn.Parameter(torch.randn(2))
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         torch.autograd.graph.register_multi_grad_hook((w, u, other), _record(calls), mode=mode)
         return torch.tanh(x @ w) @ u
 
@@ -113,7 +132,9 @@ def test_multi_grad_hook_over_parameters_and_another_stages_parameter_is_exact(m
 
 @pytest.mark.parametrize("mode", ["any", "all"])
 def test_multi_grad_hook_over_non_leaf_stage_inputs_only_is_exact(mode: str) -> None:
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         return torch.tanh(x @ w) @ u
 
     results = []
@@ -154,7 +175,12 @@ def test_post_hook_registered_on_an_intermediate_while_b_runs_is_refused_at_b() 
     out = torch.tanh(pre) @ u
     node = pre.grad_fn
     assert node is not None
-    out.register_hook(lambda t: node.register_hook(lambda gi, go: tuple(None if a is None else a * 3 for a in gi)) and None)
+    out.register_hook(
+        lambda t: (
+            node.register_hook(lambda gi, go: tuple(None if a is None else a * 3 for a in gi))
+            and None
+        )
+    )
     with pytest.raises(SplitBackwardError, match="while B ran") as info:
         stage_backward_input([out], [torch.randn(3, 4)], [x], [w, u])
     assert "stage_backward (fused)" in str(info.value)
@@ -162,12 +188,16 @@ def test_post_hook_registered_on_an_intermediate_while_b_runs_is_refused_at_b() 
 
 
 @pytest.mark.parametrize("pass_", ["W's weight-only pass", "B's capture (checkpointed op)"])
-def test_parameter_hook_registered_by_another_hook_during_a_capture_runs_once_at_delivery(pass_: str) -> None:
+def test_parameter_hook_registered_by_another_hook_during_a_capture_runs_once_at_delivery(
+    pass_: str,
+) -> None:
     """A hook registered on a parameter while a gradient is being captured at it must not run on
     the capture (it would scale the captured value, then run again at delivery)."""
     from torch.utils.checkpoint import checkpoint
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         def register(t: torch.Tensor) -> None:
             if not calls:
                 calls.append(())

@@ -34,7 +34,9 @@ def test_parameter_used_only_by_the_loss_fn_names_the_loss_and_the_fix() -> None
 
 
 @pytest.mark.parametrize("side", ["input side", "weight side"])
-def test_reentrant_checkpoint_anywhere_in_the_stage_is_refused_naming_use_reentrant_false(side: str) -> None:
+def test_reentrant_checkpoint_anywhere_in_the_stage_is_refused_naming_use_reentrant_false(
+    side: str,
+) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4, requires_grad=True)
@@ -53,7 +55,9 @@ def test_reentrant_checkpoint_in_the_previous_stage_is_not_this_stages_concern()
     """A stage input produced by a reentrant region upstream: B captures there and never runs it."""
     torch.manual_seed(0)
     upstream, lin = nn.Linear(4, 4), nn.Linear(4, 4)
-    x = checkpoint(lambda a: torch.tanh(upstream(a)), torch.randn(3, 4, requires_grad=True), use_reentrant=True)
+    x = checkpoint(
+        lambda a: torch.tanh(upstream(a)), torch.randn(3, 4, requires_grad=True), use_reentrant=True
+    )
     g = torch.randn(3, 4)
     want = torch.autograd.grad(torch.tanh(lin(x)), [x], g, retain_graph=True)[0]
     (dx,), _ = stage_backward_input([torch.tanh(lin(x))], [g], [x], lin.parameters())

@@ -48,14 +48,25 @@ _STAGE = textwrap.dedent(
 
 @pytest.mark.parametrize(
     ("fmt", "shape"),
-    [("channels_last", (2, 4, 3, 3)), ("channels_last_3d", (2, 4, 3, 3, 3)), ("contiguous_format", (2, 4, 3, 3))],
+    [
+        ("channels_last", (2, 4, 3, 3)),
+        ("channels_last_3d", (2, 4, 3, 3, 3)),
+        ("contiguous_format", (2, 4, 3, 3)),
+    ],
 )
-def test_group_norm_stage_on_channels_last_input_is_exact_and_never_crashes(fmt: str, shape: tuple[int, ...]) -> None:
+def test_group_norm_stage_on_channels_last_input_is_exact_and_never_crashes(
+    fmt: str, shape: tuple[int, ...]
+) -> None:
     script = _STAGE.format(fmt=fmt, shape=shape, dims=len(shape) - 2)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, check=False
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
     )
     assert result.returncode == 0, (
         f"the split stage exited with {result.returncode} (negative: killed by a signal, e.g. "
