@@ -29,6 +29,7 @@ from gradsafe.pipelining._refusals import (
     refuse_engine_error,
     refuse_inputs,
     refuse_other_post_hooks,
+    refuse_post_hooks_added_in_b,
     refuse_weight_side,
     require_features,
     require_input_list,
@@ -96,8 +97,12 @@ def stage_backward_input(
             these outputs, a parameter passed as a stage input, a non-leaf input
             modified in place with a parameter, a leaf in the graph that is
             none of ``weights``, a post hook on a node that depends on both a
-            stage input and a parameter, or a ``register_multi_grad_hook``
-            spanning a stage input and a parameter. Nothing has changed then.
+            stage input and a parameter (also one registered while B runs:
+            refused right after its engine call), a ``register_multi_grad_hook``
+            on a stage input or parameter spanning anything else, a reentrant
+            checkpoint, saved-tensor hooks that pack a node's own output as
+            itself, or a compiled block already compiled donating buffers.
+            No gradient has changed then.
 
     Example::
 
@@ -139,10 +144,11 @@ def _stage_backward_input(
     inputs = [
         (i, t) for i, t in enumerate(input_values) if isinstance(t, torch.Tensor) and t.requires_grad
     ]
-    refuse_inputs(inputs, weight_list)
-    graph = analyze([r.edge for r in roots], [get_gradient_edge(t).node for _, t in inputs])
-    owners = leaf_owners(graph.leaves.values(), {id(w) for w in weight_list})
-    refuse_weight_side(graph)
+    input_nodes = {get_gradient_edge(t).node for _, t in inputs}
+    refuse_inputs(inputs, input_nodes, weight_list)
+    graph = analyze([r.edge for r in roots], input_nodes)
+    owners = leaf_owners(graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None)
+    refuse_weight_side(graph, input_nodes)
     in_b, in_k, has_checkpoints = weight_parts_in_b(graph)
     k_leaves = [n for n in graph.leaves if n in in_k]
     k_outputs = {i for i in graph.weight_only_outputs if roots[i].edge.node in in_k}
@@ -245,6 +251,7 @@ def _run_b(
                     retain_graph=True,  # W still needs the saved tensors of the intermediates
                     allow_unused=True,
                 )
+            refuse_post_hooks_added_in_b(handles)
             for (i, _), grad in zip(inputs, grads):
                 dinputs[i] = grad
             at_leaves = grads[len(inputs) :]

@@ -67,6 +67,8 @@ class StageGraph:
     # Positions of outputs whose node another node in the graph consumes (an
     # output also used inside the stage): a node W runs may have saved it.
     consumed_outputs: tuple[int, ...]
+    # Every node visited, stage inputs' own nodes included.
+    nodes: tuple[Node, ...]
     num_nodes: int
 
 
@@ -160,5 +162,6 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
             i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT
         ),
         consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
+        nodes=tuple(flags),
         num_nodes=len(flags),
     )

@@ -181,9 +181,10 @@ class WeightGradHandoff:
             )
             self._finish(HandoffState.FAILED, str(error))
             raise error
-        grads = self._compute(weights)
+        callbacks: list[Any] = []
+        grads = self._compute(weights, callbacks)
         try:
-            deliver(self._leaves, grads)
+            deliver(self._leaves, grads, callbacks)
         except BaseException as exc:
             self._finish(HandoffState.FAILED, f"delivery raised {type(exc).__name__}: {exc}")
             raise
@@ -209,7 +210,9 @@ class WeightGradHandoff:
         self._finish(HandoffState.CONSUMED)
         return tuple(by_owner.get(id(w)) for w in weights)
 
-    def _compute(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _compute(
+        self, weights: Sequence[torch.Tensor], callbacks: list[Any] | None = None
+    ) -> list[torch.Tensor | None]:
         """Every leaf's gradient, computed before anything changes; any error leaves FAILED."""
         self._check_usable()
         try:
@@ -227,6 +230,7 @@ class WeightGradHandoff:
                         self._weight_nodes,
                         self._leaf_nodes,
                         self._leaves,
+                        callbacks,
                     )
             except RuntimeError as exc:  # torch's own errors; a hook's other exceptions pass as they are
                 if engine_error(exc) == "donated_buffer":

@@ -2,9 +2,10 @@
 
 B refuses before running anything (malformed inputs, parameters passed as
 inputs, in-place use of a parameter on an input, hooks a split backward cannot
-honour, compiled blocks that donate buffers, reentrant checkpoints on the
-weight side, leaves that are none of the weights); W refuses a hand-off it
-cannot use.
+honour, compiled blocks already compiled donating buffers, reentrant
+checkpoints, saved-tensor hooks that keep a node's output alive, leaves that
+are none of the weights), and right after its engine call a post hook
+registered meanwhile; W refuses a hand-off it cannot use.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from gradsafe.pipelining._torch import (
     is_reentrant_checkpoint,
     leaf_variable,
     missing_feature,
-    multi_grad_hook_cells,
+    multi_grad_hook_spans,
+    saves_itself,
 )
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "refuse_engine_error",
     "refuse_inputs",
     "refuse_other_post_hooks",
+    "refuse_post_hooks_added_in_b",
     "refuse_weight_side",
     "require_features",
     "require_input_list",
@@ -72,8 +75,10 @@ def require_input_list(input_values: object) -> None:
         )
 
 
-def refuse_inputs(inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[torch.Tensor]) -> None:
-    """Refuse stage inputs a split backward cannot give exact gradients."""
+def refuse_inputs(
+    inputs: Sequence[tuple[int, torch.Tensor]], input_nodes: set[Node], weights: Sequence[torch.Tensor]
+) -> None:
+    """Refuse stage inputs a split backward cannot give exact gradients (``input_nodes``: their gradient-edge nodes)."""
     weight_ids = {id(w) for w in weights}
     for i, t in inputs:
         if id(t) in weight_ids:
@@ -84,21 +89,39 @@ def refuse_inputs(inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[
             )
     for i, t in inputs:
         _refuse_in_place_weight_use(i, t, weight_ids)
-    _refuse_multi_grad_hooks_across(inputs, weights)
+    _refuse_multi_grad_hooks_across(inputs, input_nodes, weights)
 
 
-def refuse_weight_side(graph: StageGraph) -> None:
-    """Refuse compiled blocks that donate buffers, and reentrant checkpoints on the weight side."""
+def refuse_weight_side(graph: StageGraph, input_nodes: set[Node]) -> None:
+    """Refuse compiled blocks already compiled donating buffers, reentrant checkpoints anywhere
+    in the stage, and saved-tensor hooks that pack a node's own output as itself."""
     for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
         if donates_buffers(node):
             raise SplitBackwardError(DONATED_BUFFERS)
-    for node in graph.weight_nodes:
+    weight_side = set(graph.weight_nodes)
+    for node in graph.nodes:
+        if node in input_nodes:
+            continue  # the previous stage's node: B captures there and never runs it
         if is_reentrant_checkpoint(node):
+            side = "weight" if node in weight_side else "input"
             raise SplitBackwardError(
-                "a torch.utils.checkpoint region with use_reentrant=True is on this stage's "
-                "weight side; its backward refuses torch.autograd.grad, which B or W runs it "
-                "under. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
+                f"a torch.utils.checkpoint region with use_reentrant=True is on this stage's {side} "
+                "side; its "
+                "backward refuses torch.autograd.grad (\"call .backward() without passing the "
+                "inputs argument\"), which B and W run it under, and torch's own split fails the "
+                "same way. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
                 "or stage_backward (fused). No gradient has changed."
+            )
+        if saves_itself(node):
+            raise SplitBackwardError(
+                f"{node.name()} saved its own output through saved-tensor hooks that pack a "
+                "tensor as itself (identity hooks, or save_on_cpu on a CPU tensor): the tensor "
+                "and the node keep each other alive until the engine frees the saved tensors, "
+                "which a fused backward does and a split backward cannot (B and W keep the "
+                "graph), so the microbatch's graph and activations would stay alive after W, "
+                "every step. Pack a copy or a handle instead (save_on_cpu does for accelerator "
+                "tensors), leave CPU tensors unhooked, or use stage_backward (fused). No "
+                "gradient has changed."
             )
 
 
@@ -113,6 +136,20 @@ def refuse_other_post_hooks(handle: Any, node: Node) -> None:
             "them together as in a fused backward. Register a tensor hook on the "
             "activation or the parameter, or Module.register_full_backward_hook, instead; "
             "or use stage_backward (fused). No gradient has changed."
+        )
+
+
+def refuse_post_hooks_added_in_b(handles: Sequence[Any]) -> None:
+    """Refuse a post hook registered, while B's engine call ran, on an intermediate W calls again
+    (``handles``: B's own recording hooks on them)."""
+    if any(has_other_post_hooks(handle) for handle in handles):
+        raise SplitBackwardError(
+            "a post hook was registered, while B ran (by another hook), on an autograd node of "
+            "this stage that depends on both a stage input and a parameter: it ran in B without "
+            "the weight half of its gradients, which W computes in a separate pass. Register it "
+            "before the backward on a tensor (the activation or the parameter) instead, or use "
+            "stage_backward (fused). No parameter or input gradient has changed (hooks that "
+            "ran in B ran)."
         )
 
 
@@ -175,34 +212,50 @@ def _refuse_in_place_weight_use(index: int, tensor: torch.Tensor, weight_ids: se
 
 
 def _refuse_multi_grad_hooks_across(
-    inputs: Sequence[tuple[int, torch.Tensor]], weights: Sequence[torch.Tensor]
+    inputs: Sequence[tuple[int, torch.Tensor]],
+    input_nodes: set[Node],
+    weights: Sequence[torch.Tensor],
 ) -> None:
-    """Refuse a ``register_multi_grad_hook`` spanning a stage input and a parameter.
+    """Refuse a ``register_multi_grad_hook`` on a stage input or parameter that spans anything else.
 
-    B computes the input's gradient and W the parameter's, in two engine
-    passes: mode ``"any"`` would fire once in each, mode ``"all"`` cannot
-    collect both (torch's own B crashes in it).
+    B computes the inputs' gradients and W the parameters', and W reaches the
+    weight-only side and the parameters in two engine passes: a registration
+    over an input and anything but inputs, or over a parameter and anything
+    but leaves (non-leaf tensors computed from parameters, activations),
+    would fire twice (mode ``"any"``) or see only part of its gradients
+    (mode ``"all"``) where a fused backward fires once with all of them.
+    Registrations over inputs only (B) or leaves only (W's delivery) are exact.
     """
-    if not inputs:
-        return
-    input_cells: set[int] = set()
-    for _, t in inputs:
-        input_cells |= multi_grad_hook_cells(t)
-    if not input_cells:
-        return
-    for w in weights:
-        if input_cells & multi_grad_hook_cells(w):
-            raise SplitBackwardError(
-                f"a torch.autograd.graph.register_multi_grad_hook spans a stage input and a "
-                f"{describe(w)}: a split backward gives them gradients in separate passes (B and "
-                "W), so the hook would fire twice (mode 'any') or never see both (mode 'all'). "
-                "Register it over the parameters only, or over the inputs only; or use "
-                "stage_backward (fused). No gradient has changed."
-            )
+    tensors = [t for _, t in inputs] + [w for w in weights if w.requires_grad]
+    for nodes in multi_grad_hook_spans(tensors).values():
+        if all(n in input_nodes for n in nodes):
+            continue
+        leaves = [n is not None and n not in input_nodes and leaf_variable(n) is not None for n in nodes]
+        if all(leaves):
+            continue
+        what = (
+            "a stage input and a parameter"
+            if any(leaves) and any(n in input_nodes for n in nodes)
+            else "a stage input or a parameter and a non-leaf tensor (an activation, or a "
+            "tensor computed from parameters such as w * 2)"
+        )
+        raise SplitBackwardError(
+            f"a torch.autograd.graph.register_multi_grad_hook spans {what}: a split backward "
+            "gives them gradients in separate engine passes (B, then W's weight-only pass and "
+            "its delivery to the parameters), so the hook would fire twice (mode 'any') or see "
+            "only part of its gradients (mode 'all'). Register it over the stage inputs only, "
+            "or over parameters only; or use stage_backward (fused). No gradient has changed."
+        )
 
 
-def leaf_owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tuple[torch.Tensor, ...]]:
-    """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error."""
+def leaf_owners(
+    leaves: Iterable[torch.Tensor], weight_ids: set[int], *, loss: bool
+) -> list[tuple[torch.Tensor, ...]]:
+    """For each leaf, the tensors a caller may name it by; a leaf none of the weights names is an error.
+
+    ``loss``: B started from a loss (no output gradients), as a schedule's last
+    stage does; its graph includes the schedule's ``loss_fn``.
+    """
     counterparts: dict[int, torch.Tensor] | None = None
     owners: list[tuple[torch.Tensor, ...]] = []
     for leaf in leaves:
@@ -213,6 +266,16 @@ def leaf_owners(leaves: Iterable[torch.Tensor], weight_ids: set[int]) -> list[tu
             counterparts = fsdp_counterparts()
         other = counterparts.get(id(leaf))
         if other is None or id(other) not in weight_ids:
+            if loss:
+                raise SplitBackwardError(
+                    f"the loss accumulates into a {describe(leaf)} that is neither a stage input "
+                    "nor one of `weights`: on a pipeline's last stage, a parameter used only by "
+                    "the schedule's loss_fn (e.g. an nn.Module loss with a learned scale or "
+                    "class weights), which the schedule does not pass as the stage's parameters. "
+                    "Move that part of the loss into the last stage's module, so the parameter "
+                    "is one of submod.parameters(); or use it detached (or with "
+                    "requires_grad=False) in loss_fn. No gradient has changed."
+                )
             raise SplitBackwardError(
                 f"the stage's graph accumulates into a {describe(leaf)} that is neither a stage "
                 "input nor one of `weights` (nor, for FSDP2, the counterpart of one). Pass every "

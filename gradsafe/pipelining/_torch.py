@@ -21,19 +21,28 @@ and :func:`missing_feature` reports it before the patch is applied:
   built-in node's saved tensors come back through saved-tensor hooks
   (activation checkpointing), so calling it again would unpack them again;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
-  call time, emptied while a gradient is captured at that leaf;
+  call time, replaced by an empty stand-in while a gradient is captured at
+  that leaf;
 - ``Tensor._version``: a parameter changed in place during stage metadata
   inference (refused: it cannot be undone);
 - ``Tensor._post_accumulate_grad_hooks`` and ``nn.Module``'s backward-hook
   dicts (per module and the module-global ones): silenced while a stage's
   metadata inference runs;
-- AOTAutograd's forward-class ``metadata.bw_donated_idxs``: a compiled block
-  that donates saved buffers (refused before B runs anything);
+- AOTAutograd's forward-class ``metadata.bw_donated_idxs`` and ``compiled_bw``:
+  a compiled block whose backward was already compiled donating saved
+  buffers (refused before B runs anything);
 - the text of the engine's ``RuntimeError`` messages (torch raises no typed
   error for donated buffers or a mode-``"all"`` multi-grad hook):
   :func:`engine_error` reads it;
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
+- torch bugs a split's weight-only call of a built-in node reaches (GroupNorm's
+  weight-only backward on a channels_last input segfaults on 2.13): probed once
+  per process in a subprocess, where a crash cannot take the caller down;
+- ``Variable._execution_engine.queue_callback`` and ``torch._C._current_autograd_node``:
+  end-of-backward callbacks queued by hooks in W's weight-only pass are held
+  for W's delivery pass (the engine object is swapped for a forwarding proxy
+  while that pass runs);
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
   parameter): which parameter autograd saw for the sharded one a caller passes;
 - ``torch.distributed.pipelining._backward``, where torch's split functions
@@ -49,19 +58,24 @@ and :func:`missing_feature` reports it before the patch is applied:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import importlib
+import subprocess
+import sys
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 import torch._utils
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointFunction
+from torch.utils.weak import WeakIdKeyDictionary
 
 # The node class of a reentrant checkpoint region (read once: checked per weight node per B).
 _REENTRANT_NODE: Any = getattr(CheckpointFunction, "_backward_cls", ())
@@ -74,11 +88,15 @@ __all__ = [
     "storage_key",
     "EngineError",
     "call_node",
+    "crashes_weight_only",
+    "deferred_callbacks",
+    "queue_callback",
     "engine_error",
+    "saves_itself",
     "donates_buffers",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
-    "multi_grad_hook_cells",
+    "multi_grad_hook_spans",
     "current_exec_group",
     "exec_group",
     "has_hooked_saved",
@@ -167,6 +185,32 @@ def has_hooked_saved(node: Node) -> bool:
     return False
 
 
+def saves_itself(node: Node) -> bool:
+    """Whether built-in ``node`` saved its own output through hooks that packed it as itself.
+
+    Identity-like saved-tensor hooks (``save_on_cpu`` on a CPU tensor, ``lambda t: t``)
+    keep the tensor in the saved variable; for a node's own output, whose
+    ``grad_fn`` is the node, that is a reference cycle through C++ that only
+    the engine freeing the saved tensors breaks. Read from the packed value
+    (``SavedTensor.data``), without unpacking it.
+    """
+    for name in _saved_output_names(type(node)):
+        saved = getattr(node, name)
+        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if getattr(item, "unpack_hook", None) is None:
+                continue
+            packed = item.data
+            for value in packed if isinstance(packed, (list, tuple)) else (packed,):
+                if isinstance(value, torch.Tensor) and value.grad_fn is node:
+                    return True
+    return False
+
+
+@functools.cache
+def _saved_output_names(kind: type) -> tuple[str, ...]:
+    return tuple(name for name in _saved_names(kind) if name.startswith("_raw_saved_result"))
+
+
 @functools.cache
 def _saved_names(kind: type) -> tuple[str, ...]:
     # Each built-in node kind is its own class; dir() per node would cost more
@@ -189,15 +233,67 @@ def current_exec_group() -> Any:
     return None if getter is None else getter()
 
 
-def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     """Keep the leaves' tensor hooks from running while a gradient is captured at them.
 
     ``autograd.grad`` runs a captured input's tensor hooks; B's capture is not
     the leaf's gradient yet (W delivers it, and its hooks run then, once).
-    The C++ hook reads the leaf's hook dict when called, so replacing the
-    dict's hooks silences them.
+    The engine reads a leaf's hooks from the dict installed as its
+    ``_backward_hooks`` (a snapshot of its values per call), so each leaf gets
+    an empty stand-in for the duration: nothing runs at the capture, even a
+    hook registered on the leaf meanwhile by another hook (``register_hook``
+    writes into the stand-in, which holds it aside). Afterwards the leaf's own
+    dict is back, with those hooks added, and the stand-in forwards their
+    handles' ``remove()`` there. A hook removed meanwhile from the leaf's own
+    dict stays removed.
     """
-    return _silenced(leaf._backward_hooks for leaf in leaves)
+    installed: list[tuple[torch.Tensor, Any, _HeldHooks]] = []
+    try:
+        for leaf in leaves:
+            stand_in = _HeldHooks()
+            installed.append((leaf, leaf._backward_hooks, stand_in))
+            leaf._backward_hooks = stand_in
+        yield
+    finally:
+        for leaf, own, stand_in in installed:
+            if stand_in.held:
+                if own is None:
+                    own = collections.OrderedDict()
+                own.update(stand_in.held)
+                stand_in.home = own
+                _STAND_INS.setdefault(leaf, []).append(stand_in)  # their handles refer to it
+            leaf._backward_hooks = own
+
+
+class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
+    """A leaf's stand-in hook dict during a capture; see :func:`silenced_tensor_hooks`.
+
+    Its own storage (what the engine reads) stays empty; what ``register_hook``
+    and ``RemovableHandle.remove`` do goes to ``held``, then to ``home`` (the
+    leaf's own dict) once the capture is over.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.home: dict[Any, Any] | None = None
+
+    def _target(self) -> dict[Any, Any]:
+        return self.held if self.home is None else self.home
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._target()[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._target()
+
+    def __delitem__(self, key: Any) -> None:
+        del self._target()[key]
+
+
+# Stand-ins that held hooks, per leaf: those hooks' handles refer to them weakly.
+_STAND_INS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def silenced_gradient_hooks(
@@ -242,6 +338,63 @@ def _silenced(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
                 if hooks.get(key) is _no_hook:
                     hooks[key] = hook
 
+@contextlib.contextmanager
+def deferred_callbacks(nodes: set[Node]) -> Iterator[list[Callable[[], None]]]:
+    """Hold the end-of-backward callbacks that hooks of ``nodes`` queue, in the yielded list.
+
+    ``queue_callback`` runs a callback when the current engine call ends. W's
+    weight-only pass ends before its delivery pass gives the parameters their
+    gradients, where a fused backward's callbacks run after: the caller queues
+    the held callbacks from inside its delivery pass. A callback queued while
+    any other node runs (another thread's backward) goes to the engine as usual.
+    """
+    from torch.autograd.variable import Variable
+
+    held: list[Callable[[], None]] = []
+    entry = (nodes, held)
+    with _CALLBACK_LOCK:
+        if not _DEFERRING:
+            Variable._execution_engine = _DeferringEngine(Variable._execution_engine)  # type: ignore[attr-defined]
+        _DEFERRING.append(entry)
+    try:
+        yield held
+    finally:
+        with _CALLBACK_LOCK:
+            _DEFERRING[:] = [e for e in _DEFERRING if e is not entry]
+            engine = Variable._execution_engine  # type: ignore[attr-defined]
+            if not _DEFERRING and isinstance(engine, _DeferringEngine):
+                Variable._execution_engine = engine.engine  # type: ignore[attr-defined]
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the engine call this runs in ends (autograd's own queue)."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+_CALLBACK_LOCK = threading.Lock()
+_DEFERRING: list[tuple[set[Node], list[Callable[[], None]]]] = []
+
+
+class _DeferringEngine:
+    """Forwards everything to autograd's engine; holds callbacks queued from a deferring pass's nodes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            for nodes, held in tuple(_DEFERRING):
+                if node in nodes:
+                    held.append(callback)
+                    return
+        self.engine.queue_callback(callback)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
 
 @dataclasses.dataclass(frozen=True)
 class RngStates:
@@ -269,30 +422,83 @@ def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.T
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
+# Built-in nodes whose weight-only backward (input gradient not requested)
+# crashes some torch release on inputs laid out other than contiguously: the
+# probe runs that backward on such an input. On 2.13 GroupNorm's segfaults for
+# channels_last and channels_last_3d inputs (fixed by 2.15).
+_CRASH_PROBES = {
+    "NativeGroupNormBackward0": (
+        "import torch\n"
+        "gn = torch.nn.GroupNorm(2, 4)\n"
+        "for shape, fmt in (((2, 4, 3, 3), torch.channels_last), ((2, 4, 3, 3, 3), torch.channels_last_3d)):\n"
+        "    x = torch.randn(shape).to(memory_format=fmt)\n"
+        "    torch.autograd.grad(gn(x), list(gn.parameters()), torch.randn(shape))\n"
+    ),
+}
+
+
+def crashes_weight_only(node: Node) -> bool:
+    """Whether calling built-in ``node`` for its weight gradients alone would crash this torch.
+
+    Such a node must compute its input and weight gradients together (in B).
+    Checked on the node's saved input (a non-contiguous 4-D/5-D layout, e.g.
+    channels_last), then by running the probe for its kind in a subprocess,
+    once per process. A probe that cannot run counts as a crash: computing
+    the node whole is always exact.
+    """
+    script = _CRASH_PROBES.get(node.name())
+    if script is None:
+        return False
+    saved = getattr(node, "_saved_input", None)
+    if not isinstance(saved, torch.Tensor) or saved.dim() not in (4, 5) or saved.is_contiguous():
+        return False
+    return _probe_crashes(node.name())
+
+
+@functools.cache
+def _probe_crashes(name: str) -> bool:
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _CRASH_PROBES[name]],
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return result.returncode != 0
+
+
 def donates_buffers(node: Node) -> bool:
-    """Whether ``node`` is a compiled block's backward that donates its saved buffers.
+    """Whether ``node`` is a compiled block's backward that will refuse to run with the graph kept.
 
     AOTAutograd records the donated saved tensors in its forward class's
-    metadata; with ``torch._functorch.config.donated_buffer`` set, that
-    backward refuses to run with the graph retained, as a split runs it.
+    metadata, but compiles the backward lazily, on its first run: a first run
+    that keeps the graph (as B's and W's do) compiles it without donation and
+    clears that record. So only a backward already compiled with donation
+    (e.g. by an earlier fused backward), with
+    ``torch._functorch.config.donated_buffer`` set, refuses a split.
     """
     if not is_python_node(node):
         return False
-    metadata = getattr(getattr(type(node), "_forward_cls", None), "metadata", None)
+    forward_cls = getattr(type(node), "_forward_cls", None)
+    metadata = getattr(forward_cls, "metadata", None)
     if not getattr(metadata, "bw_donated_idxs", None):
         return False
+    if getattr(forward_cls, "compiled_bw", None) is None:
+        return False  # not compiled yet: B's run compiles it without donation
     from torch._functorch import config  # importable: the node came from AOTAutograd
 
     return bool(getattr(config, "donated_buffer", False))
 
 
+def _no_hook(*args: object) -> None:
+    return None
+
+
 def is_reentrant_checkpoint(node: Node) -> bool:
     """Whether ``node`` is a reentrant ``torch.utils.checkpoint`` region's node (``use_reentrant=True``)."""
     return isinstance(node, _REENTRANT_NODE)
-
-
-def _no_hook(*args: object) -> None:
-    return None
 
 
 @functools.cache
@@ -320,22 +526,88 @@ def has_other_post_hooks(handle: Any) -> bool:
     return hooks is not None and len(hooks) > 1
 
 
-def multi_grad_hook_cells(tensor: torch.Tensor) -> set[int]:
-    """Identities of the ``register_multi_grad_hook`` registrations that include ``tensor``.
+def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[Node | None, ...]]:
+    """Every ``register_multi_grad_hook`` registration on any of ``tensors``, with what it spans.
 
-    One registration puts one hook per tensor (the same function in mode
-    ``"any"``, closures over shared cells in mode ``"all"``); the cells they
-    close over identify the registration.
+    Keyed by registration (the lock cell its hooks share); the value is the
+    gradient-edge node of each tensor it spans (grad_fn, or the accumulator of
+    a leaf), None for one that cannot be identified. Mode ``"all"`` keeps
+    those nodes in its closure. Mode ``"any"`` keeps nothing: its one hook
+    function sits in the hook dict of each tensor, so when more dicts hold it
+    than ``tensors`` account for, the other holders are looked for through
+    the garbage collector's referrers (costly: only then); a tensor autograd
+    also holds (e.g. a leaf with a live gradient accumulator) is invisible to
+    the collector, and counts as unidentified.
     """
-    hooks = tensor._backward_hooks
-    if not hooks:
-        return set()
-    return {
-        id(cell)
-        for hook in hooks.values()
-        if getattr(hook, "__code__", None) in _multi_grad_hook_codes()
-        for cell in getattr(hook, "__closure__", None) or ()
-    }
+    spans: dict[int, tuple[Node | None, ...]] = {}
+    any_hooks: dict[int, Any] = {}
+    for tensor in tensors:
+        for hook in tuple(tensor._backward_hooks.values()) if tensor._backward_hooks else ():
+            if getattr(hook, "__code__", None) not in _multi_grad_hook_codes():
+                continue
+            cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+            if "lock" not in cells:
+                continue
+            key = id(cells["lock"])
+            if "grad_fns" in cells:  # mode "all"
+                spans[key] = tuple(n for n in cells["grad_fns"].cell_contents if n is not None)
+            else:
+                any_hooks[key] = hook
+    if not any_hooks:
+        return spans
+    del hook, cells  # count only the hook dicts' references
+    holders = _count_holders(any_hooks)
+    nodes = {id(t): get_gradient_edge(t).node for t in tensors if t.requires_grad}
+    for key, hook in any_hooks.items():
+        known = [t for t in tensors if t._backward_hooks and _holds(t._backward_hooks, hook)]
+        if holders[key] == len(known):
+            spans[key] = tuple(nodes[id(t)] for t in known)
+        else:
+            known_dicts = {id(t._backward_hooks): nodes[id(t)] for t in known}
+            spans[key] = _holder_nodes(hook, any_hooks, known_dicts)
+    return spans
+
+
+def _holds(hooks: dict[Any, Any], hook: Any) -> bool:
+    return any(h is hook for h in hooks.values())
+
+
+def _count_holders(hooks: dict[int, Any]) -> dict[int, int]:
+    """For each hook, how many references beyond ``hooks`` and this call's own hold it."""
+    return {key: sys.getrefcount(hook) - _REF_OVERHEAD for key, hook in hooks.items()}
+
+
+def _ref_overhead() -> int:
+    _REF_OVERHEAD_PROBE[0] = object()  # held by that dict only, like a hook by one tensor's dict
+    return _count_holders({0: _REF_OVERHEAD_PROBE[0]})[0] - 1
+
+
+_REF_OVERHEAD = 0
+_REF_OVERHEAD_PROBE: dict[int, object] = {}
+_REF_OVERHEAD = _ref_overhead()
+_REF_OVERHEAD_PROBE.clear()
+
+
+def _holder_nodes(hook: Any, ignore: dict[int, Any], known: dict[int, Node]) -> tuple[Node | None, ...]:
+    """The node of each tensor whose hook dict holds ``hook`` (``known``: by dict id), None where unidentified."""
+    import gc
+
+    found: list[Node | None] = []
+    for holder in gc.get_referrers(hook):
+        if holder is ignore or not isinstance(holder, dict) or not _holds(holder, hook):
+            continue
+        if id(holder) in known:
+            found.append(known[id(holder)])
+            continue
+        if "__builtins__" in holder:
+            continue  # a module's globals, not a tensor's hook dict
+        owners = [
+            t for t in gc.get_referrers(holder) if isinstance(t, torch.Tensor) and t._backward_hooks is holder
+        ]
+        found.extend(get_gradient_edge(t).node if t.requires_grad else None for t in owners)
+        if not owners:
+            found.append(None)
+    return tuple(found)
 
 
 def fsdp_counterparts() -> dict[int, torch.Tensor]:
@@ -413,7 +685,8 @@ def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) ->
             (x, w), lambda grads: None, mode=mode  # type: ignore[arg-type]
         )
         try:
-            joined = multi_grad_hook_cells(x) & multi_grad_hook_cells(w)
+            spans = multi_grad_hook_spans([x, w])
+            joined = list(spans.values()) == [(get_gradient_edge(x).node, get_gradient_edge(w).node)]
         finally:
             handle.remove()
         if not joined:
@@ -423,10 +696,11 @@ def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) ->
 
 #: Why a split backward cannot run a compiled block that donates its saved buffers, and the fix.
 DONATED_BUFFERS = (
-    "a torch.compile'd block in this stage donates its saved buffers (the default), so its "
-    "backward can run only once, and a split backward keeps the graph from B for W. Set "
-    "torch._functorch.config.donated_buffer = False before compiling (no parameter gradient "
-    "has changed)."
+    "a torch.compile'd block in this stage had its backward already compiled donating its "
+    "saved buffers (by a first backward that did not keep the graph, e.g. a fused warm-up "
+    "step), so it can run only once, and a split backward keeps the graph from B for W. Set "
+    "torch._functorch.config.donated_buffer = False before compiling, or let the split run the "
+    "block's first backward (no parameter gradient has changed)."
 )
 
 #: The engine failures a split backward turns into errors naming their fix.

