@@ -127,5 +127,7 @@ def typing(session: nox.Session) -> None:
     session.run("mypy", "--ignore-missing-imports", "-p", "gradsafe")
     # The docstrings' Example:: blocks, run against the installed package (pytest
     # exits 5, failing the session, if it collects none).
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules", "--pyargs", "gradsafe")
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules", "--pyargs", "gradsafe"
+    )
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)

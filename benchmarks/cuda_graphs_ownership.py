@@ -78,12 +78,16 @@ def count_copies(
 
 def copy_table(device: torch.device) -> None:
     print("\n# copies per optimizer step (steady state, 4 chained Linear(64,64) layers, 8 params)")
-    print("set_to_none | microbatches | policy | clones/step | bytes cloned / parameter bytes, per step")
+    print(
+        "set_to_none | microbatches | policy | clones/step | bytes cloned / parameter bytes, per step"
+    )
     for set_to_none in (True, False):
         for mb in MICROBATCHES:
             for policy in POLICIES:
                 clones, copies, _, _ = count_copies(device, policy, mb, set_to_none)
-                print(f"{set_to_none!s:>11} | {mb:>12} | {policy:>6} | {clones:>11.1f} | {copies:>8.2f}")
+                print(
+                    f"{set_to_none!s:>11} | {mb:>12} | {policy:>6} | {clones:>11.1f} | {copies:>8.2f}"
+                )
 
 
 # ---------------------------------------------------------------- part 2: the budget, case by case
@@ -97,8 +101,12 @@ class Twin:
 
     graphed_layers: list[torch.nn.Module]  # handed to make_graphed_callables
     eager_layers: list[torch.nn.Module]  # the same model, never graphed
-    pre: tuple[torch.nn.Module | None, torch.nn.Module | None]  # eager layer before the graphed ones
-    params: tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]  # unique, graphed / eager twin
+    pre: tuple[
+        torch.nn.Module | None, torch.nn.Module | None
+    ]  # eager layer before the graphed ones
+    params: tuple[
+        list[torch.nn.Parameter], list[torch.nn.Parameter]
+    ]  # unique, graphed / eager twin
 
 
 def _build(kind: str, device: torch.device) -> Twin:
@@ -120,7 +128,9 @@ def _build(kind: str, device: torch.device) -> Twin:
 
     g_layers, g_pre = layers()
     e_layers, e_pre = layers()
-    return Twin(g_layers, e_layers, (g_pre, e_pre), (unique(g_layers, g_pre), unique(e_layers, e_pre)))
+    return Twin(
+        g_layers, e_layers, (g_pre, e_pre), (unique(g_layers, g_pre), unique(e_layers, e_pre))
+    )
 
 
 def _install_hook(hook: str, params: list[torch.nn.Parameter]) -> list[object]:
@@ -172,15 +182,28 @@ def measure_case(
     twin = _build(case.kind, device)
     g_params, e_params = twin.params
     samples = tuple(
-        (torch.randn(BATCH, WIDTH, dtype=torch.float64, device=device, requires_grad=i > 0 or case.kind == "eager input"),)
+        (
+            torch.randn(
+                BATCH,
+                WIDTH,
+                dtype=torch.float64,
+                device=device,
+                requires_grad=i > 0 or case.kind == "eager input",
+            ),
+        )
         for i in range(len(twin.graphed_layers))
     )
     graphed = make_graphed_callables(tuple(twin.graphed_layers), samples, ownership=policy)
     keep = _install_hook(case.hook, g_params) + _install_hook(case.hook, e_params)
-    xs = [torch.randn(BATCH, WIDTH, dtype=torch.float64, device=device) for _ in range(microbatches)]
+    xs = [
+        torch.randn(BATCH, WIDTH, dtype=torch.float64, device=device) for _ in range(microbatches)
+    ]
 
-    def step(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]], pre: torch.nn.Module | None,
-             params: list[torch.nn.Parameter]) -> None:
+    def step(
+        layers: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+        pre: torch.nn.Module | None,
+        params: list[torch.nn.Parameter],
+    ) -> None:
         for p in params:
             if case.set_to_none:
                 p.grad = None
@@ -204,9 +227,13 @@ def measure_case(
         step(graphed, g_pre, g_params)
     step(twin.eager_layers, e_pre, e_params)
     del keep
-    right = all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(result(g_params), result(e_params)))
+    right = all(
+        torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(result(g_params), result(e_params))
+    )
     graphed_param_bytes = sum(
-        p.numel() * p.element_size() for p in g_params if all(p is not q for q in (g_pre.parameters() if g_pre else ()))
+        p.numel() * p.element_size()
+        for p in g_params
+        if all(p is not q for q in (g_pre.parameters() if g_pre else ()))
     )
     return counter, graphed_param_bytes, right
 
@@ -214,9 +241,9 @@ def measure_case(
 def budget_table(device: torch.device) -> None:
     print(
         f"\n# copy budget case by case: one steady-state optimizer step, {BUDGET_MICROBATCHES} microbatches, "
-        f"Linear({WIDTH},{WIDTH}) layers in fp64, batch {BATCH}; \"param copies\" = bytes of parameter-shaped "
-        "clones / bytes of the graphed callables' parameters; \"other\" = activation-shaped bytes cloned; "
-        "\"right\" = gradients (main_grad for Megatron) equal the eager twin's"
+        f'Linear({WIDTH},{WIDTH}) layers in fp64, batch {BATCH}; "param copies" = bytes of parameter-shaped '
+        'clones / bytes of the graphed callables\' parameters; "other" = activation-shaped bytes cloned; '
+        '"right" = gradients (main_grad for Megatron) equal the eager twin\'s'
     )
     print("case | policy | clones/step | param copies/step | other bytes/step | right")
     for case in BUDGET_CASES:
@@ -230,7 +257,9 @@ def budget_table(device: torch.device) -> None:
 
 
 def _train_step(
-    opt: torch.optim.Optimizer, xs: Sequence[torch.Tensor], graphed: Sequence[Callable[..., torch.Tensor]]
+    opt: torch.optim.Optimizer,
+    xs: Sequence[torch.Tensor],
+    graphed: Sequence[Callable[..., torch.Tensor]],
 ) -> None:
     """One optimizer step over ``xs`` as microbatches through the graphed layers."""
     opt.zero_grad(set_to_none=True)
@@ -259,8 +288,9 @@ def step_times(
     for policy in POLICIES:
         torch.manual_seed(0)
         layers = [
-            torch.nn.TransformerEncoderLayer(d_model, 16, 4 * d_model, dropout=0.0, batch_first=True)
-            .to(device)
+            torch.nn.TransformerEncoderLayer(
+                d_model, 16, 4 * d_model, dropout=0.0, batch_first=True
+            ).to(device)
             for _ in range(n_layers)
         ]
         params = [p for layer in layers for p in layer.parameters()]
@@ -292,8 +322,10 @@ def step_times(
 
 def main() -> None:
     gpu = torch.cuda.is_available()
-    print(f"torch {torch.__version__}, {platform.machine()}, {platform.processor() or 'cpu'}, "
-          f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'no GPU: copies counted under emulate_cuda_graphs'}")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {platform.processor() or 'cpu'}, "
+        f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'no GPU: copies counted under emulate_cuda_graphs'}"
+    )
     with contextlib.nullcontext() if gpu else emulate_cuda_graphs():
         copy_table(torch.device("cuda" if gpu else "cpu"))
         budget_table(torch.device("cuda" if gpu else "cpu"))

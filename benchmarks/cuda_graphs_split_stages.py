@@ -58,7 +58,9 @@ def print_orders() -> None:
 
 
 def _stack(width: int, layers: int) -> torch.nn.Module:
-    return torch.nn.Sequential(*(torch.nn.Linear(width, width, dtype=torch.float64) for _ in range(layers)))
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(width, width, dtype=torch.float64) for _ in range(layers))
+    )
 
 
 def _step(
@@ -85,14 +87,19 @@ def _step(
 
 
 def count_copies(device: torch.device, rank: int, set_to_none: bool, via: str) -> str:
-    order = CaptureOrder.from_schedule_class(schedules.ScheduleZBVZeroBubble, rank=rank, ranks=2, microbatches=4)
+    order = CaptureOrder.from_schedule_class(
+        schedules.ScheduleZBVZeroBubble, rank=rank, ranks=2, microbatches=4
+    )
     width, batch, layers = 64, 8, 3
     torch.manual_seed(0)
     modules = [_stack(width, layers).to(device) for _ in order.chunks]
     eager = copy.deepcopy(modules)
     params = [p for m in modules for p in m.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    samples = [(torch.randn(batch, width, dtype=torch.float64, device=device, requires_grad=True),) for _ in modules]
+    samples = [
+        (torch.randn(batch, width, dtype=torch.float64, device=device, requires_grad=True),)
+        for _ in modules
+    ]
     stages = make_graphed_split_callables(modules, samples, order)
     keys = [(c, m) for c in order.chunks for m in order.microbatches(c)]
 
@@ -107,7 +114,9 @@ def count_copies(device: torch.device, rank: int, set_to_none: bool, via: str) -
 
     def eager_dgrad(chunk: int, mb: int, held: Any, g: torch.Tensor) -> torch.Tensor:
         x, out = held
-        (dx,), handoffs[(chunk, mb)] = stage_backward_input([out], [g], [x], eager[chunk].parameters())
+        (dx,), handoffs[(chunk, mb)] = stage_backward_input(
+            [out], [g], [x], eager[chunk].parameters()
+        )
         return dx  # type: ignore[return-value]
 
     def eager_wgrad(chunk: int, mb: int) -> None:
@@ -121,7 +130,14 @@ def count_copies(device: torch.device, rank: int, set_to_none: bool, via: str) -
         for m in (*modules, *eager):
             m.zero_grad(set_to_none=set_to_none)
         with counter if step >= steps - 2 else contextlib.nullcontext():
-            got = _step(order, lambda c, x: stages.callables[c](x), graphed_dgrad, lambda c, m: stages.backward_weight(c), xs, gs)
+            got = _step(
+                order,
+                lambda c, x: stages.callables[c](x),
+                graphed_dgrad,
+                lambda c, m: stages.backward_weight(c),
+                xs,
+                gs,
+            )
         want = _step(order, lambda c, x: eager[c](x), eager_dgrad, eager_wgrad, xs, gs)
         for k in keys:
             if not torch.allclose(got[k], want[k], atol=1e-9, rtol=0):
@@ -150,7 +166,9 @@ def _transformer_block(width: int) -> torch.nn.Module:
             self.proj = torch.nn.Linear(width, width)
             self.norm2 = torch.nn.LayerNorm(width)
             self.mlp = torch.nn.Sequential(
-                torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+                torch.nn.Linear(width, 4 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
             )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,29 +184,50 @@ def _transformer_block(width: int) -> torch.nn.Module:
 
 
 def step_time(device: torch.device, width: int = 1024, batch: int = 4, seq: int = 512) -> None:
-    order = CaptureOrder.from_schedule_class(schedules.ScheduleZBVZeroBubble, rank=0, ranks=2, microbatches=4)
+    order = CaptureOrder.from_schedule_class(
+        schedules.ScheduleZBVZeroBubble, rank=0, ranks=2, microbatches=4
+    )
     torch.manual_seed(0)
-    modules = [torch.nn.Sequential(*(_transformer_block(width) for _ in range(6))).to(device) for _ in order.chunks]
+    modules = [
+        torch.nn.Sequential(*(_transformer_block(width) for _ in range(6))).to(device)
+        for _ in order.chunks
+    ]
     eager = copy.deepcopy(modules)
     keys = [(c, m) for c in order.chunks for m in order.microbatches(c)]
     xs = {k: torch.randn(batch, seq, width, device=device) for k in keys}
     gs = {k: torch.randn(batch, seq, width, device=device) for k in keys}
-    samples = [(torch.randn(batch, seq, width, device=device, requires_grad=True),) for _ in modules]
+    samples = [
+        (torch.randn(batch, seq, width, device=device, requires_grad=True),) for _ in modules
+    ]
     stages = make_graphed_split_callables(modules, samples, order)
     handoffs: dict[tuple[int, int], Any] = {}
 
     def eager_dgrad(chunk: int, mb: int, held: Any, g: torch.Tensor) -> torch.Tensor:
         x, out = held
-        (dx,), handoffs[(chunk, mb)] = stage_backward_input([out], [g], [x], eager[chunk].parameters())
+        (dx,), handoffs[(chunk, mb)] = stage_backward_input(
+            [out], [g], [x], eager[chunk].parameters()
+        )
         return dx  # type: ignore[return-value]
 
     def graphed() -> None:
-        _step(order, lambda c, x: stages.callables[c](x), lambda c, m, h, g: torch.autograd.grad(h[1], h[0], g)[0],
-              lambda c, m: stages.backward_weight(c), xs, gs)
+        _step(
+            order,
+            lambda c, x: stages.callables[c](x),
+            lambda c, m, h, g: torch.autograd.grad(h[1], h[0], g)[0],
+            lambda c, m: stages.backward_weight(c),
+            xs,
+            gs,
+        )
 
     def split() -> None:
-        _step(order, lambda c, x: eager[c](x), eager_dgrad,
-              lambda c, m: stage_backward_weight(eager[c].parameters(), handoffs.pop((c, m))), xs, gs)
+        _step(
+            order,
+            lambda c, x: eager[c](x),
+            eager_dgrad,
+            lambda c, m: stage_backward_weight(eager[c].parameters(), handoffs.pop((c, m))),
+            xs,
+            gs,
+        )
 
     def timed(fn: Callable[[], None]) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -228,7 +267,9 @@ def main() -> None:
     )
     print_orders()
     device = torch.device("cuda" if gpu else "cpu")
-    print("\n== copies per optimizer step, ZBV 2 ranks, 4 microbatches, chunks of 3 Linear(64, 64), fp64")
+    print(
+        "\n== copies per optimizer step, ZBV 2 ranks, 4 microbatches, chunks of 3 Linear(64, 64), fp64"
+    )
     with _graphs(device):
         for rank in (0, 1):
             for set_to_none in (True, False):

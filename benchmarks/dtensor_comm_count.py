@@ -103,18 +103,28 @@ def main() -> None:
         with gradsafe.patch("dtensor") as handle:
             first_patch_ms = (time.perf_counter() - start) * 1e3
             fixed = measure(mesh)
-            note = "" if handle.names else f" (patch skipped: {gradsafe.status()['dtensor'].skipped})"
+            note = (
+                "" if handle.names else f" (patch skipped: {gradsafe.status()['dtensor'].skipped})"
+            )
         up2 = measure(mesh)
     print(
         f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
         f"fake pg x4, {SHAPE[0]}x{SHAPE[1]} parameter, {STEPS} backwards"
     )
     print(f"upstream : {up[0]} collective(s)/backward, grad {up[1]}, {up[2] * 1e6:.0f} us/backward")
-    print(f"gradsafe : {fixed[0]} collective(s)/backward, grad {fixed[1]}, {fixed[2] * 1e6:.0f} us/backward{note}")
+    print(
+        f"gradsafe : {fixed[0]} collective(s)/backward, grad {fixed[1]}, {fixed[2] * 1e6:.0f} us/backward{note}"
+    )
     upstream_time = (up[2] + up2[2]) / 2
-    print(f"time ratio gradsafe/upstream: {fixed[2] / upstream_time:.2f} (upstream measured before and after)")
-    print(f"first gradsafe.patch('dtensor') in the process (probes the propagator): {first_patch_ms:.0f} ms")
-    print(f"with gradsafe.patch('dtensor') entry+exit (best of {ROUNDS}): {patch_cycle_us():.0f} us")
+    print(
+        f"time ratio gradsafe/upstream: {fixed[2] / upstream_time:.2f} (upstream measured before and after)"
+    )
+    print(
+        f"first gradsafe.patch('dtensor') in the process (probes the propagator): {first_patch_ms:.0f} ms"
+    )
+    print(
+        f"with gradsafe.patch('dtensor') entry+exit (best of {ROUNDS}): {patch_cycle_us():.0f} us"
+    )
     plain, patched = tiny_backward_us()
     print(
         f"tiny CPU backward (best of {ROUNDS}): upstream {plain:.1f} us, under the patch "

@@ -142,7 +142,9 @@ def measure(name: str, model: nn.Module, fwd: Any, shape: tuple[int, ...], reps:
                 continue
             times[impl].append(t)
             info[impl] = (calls, kept)
-    best = {impl: tuple(min(t[k] for t in ts) * 1e3 for k in (0, 1)) for impl, ts in times.items() if ts}
+    best = {
+        impl: tuple(min(t[k] for t in ts) * 1e3 for k in (0, 1)) for impl, ts in times.items() if ts
+    }
     print(f"{name}")
     for impl in times:
         if impl not in best:
@@ -151,12 +153,16 @@ def measure(name: str, model: nn.Module, fwd: Any, shape: tuple[int, ...], reps:
         (wall, cpu), (fused_wall, fused_cpu) = best[impl], best["fused"]
         calls, kept = info[impl] or ({}, 0)
         counts = ", ".join(f"{k} {v}" for k, v in calls.items() if v)
-        print(f"  {impl:9s} {wall:8.2f} ms {wall / fused_wall:5.2f}x fused | CPU {cpu:8.2f} ms "
-              f"{cpu / fused_cpu:5.2f}x  [{counts}]"
-              + (f"  kept B->W {kept / 2**20:.2f} MiB" if impl == "gradsafe" else ""))
+        print(
+            f"  {impl:9s} {wall:8.2f} ms {wall / fused_wall:5.2f}x fused | CPU {cpu:8.2f} ms "
+            f"{cpu / fused_cpu:5.2f}x  [{counts}]"
+            + (f"  kept B->W {kept / 2**20:.2f} MiB" if impl == "gradsafe" else "")
+        )
     if "torch" in best and "gradsafe" in best:
-        print(f"  gradsafe / torch's split: {best['gradsafe'][0] / best['torch'][0]:.2f}x wall, "
-              f"{best['gradsafe'][1] / best['torch'][1]:.2f}x CPU")
+        print(
+            f"  gradsafe / torch's split: {best['gradsafe'][0] / best['torch'][0]:.2f}x wall, "
+            f"{best['gradsafe'][1] / best['torch'][1]:.2f}x CPU"
+        )
 
 
 def main() -> None:
@@ -168,14 +174,24 @@ def main() -> None:
     torch._functorch.config.donated_buffer = False  # a split backward needs it (see docs)
     reps = 3 if args.quick else 15
     d = 64 if args.quick else 256
-    print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
-          + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}")
+    print(
+        f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
+        + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}"
+    )
     steps = 50 if args.quick else 200
-    measure(f"custom-Function RNN cell, one weight, {steps} steps, d={d}", *rnn(steps, d), (32, d), reps)
-    measure(f"one aot_eager-compiled block at 48 sites, d={d}", *compiled_shared(48, d), (32, d), reps)
+    measure(
+        f"custom-Function RNN cell, one weight, {steps} steps, d={d}", *rnn(steps, d), (32, d), reps
+    )
+    measure(
+        f"one aot_eager-compiled block at 48 sites, d={d}", *compiled_shared(48, d), (32, d), reps
+    )
     layers = 4 if args.quick else 12
-    measure(f"{layers} transformer blocks, non-reentrant checkpoint each, d={d}",
-            *checkpointed(layers, d), (2, 64, d), reps)
+    measure(
+        f"{layers} transformer blocks, non-reentrant checkpoint each, d={d}",
+        *checkpointed(layers, d),
+        (2, 64, d),
+        reps,
+    )
 
 
 if __name__ == "__main__":

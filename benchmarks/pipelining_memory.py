@@ -37,7 +37,9 @@ from gradsafe.pipelining._live_bytes import LiveBytes
 MiB = 1 << 20
 
 
-def run(impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> dict[str, float]:
+def run(
+    impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor]
+) -> dict[str, float]:
     model.zero_grad(set_to_none=True)
     points: dict[str, float] = {}
     with LiveBytes([*model.parameters(), *xs, *ys]) as mode:
@@ -51,13 +53,17 @@ def run(impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tens
             if impl == "fused":
                 loss.backward()
             else:
-                split = stage_backward_input if impl == "gradsafe" else torch_split.stage_backward_input
+                split = (
+                    stage_backward_input if impl == "gradsafe" else torch_split.stage_backward_input
+                )
                 _, handoff = split([loss], None, [x], model.parameters())
                 handoffs.append(handoff)
             out.detach_()  # stage.py, last stage, after B
         points["between B and W"] = mode.live()
         for handoff in handoffs:
-            weight = stage_backward_weight if impl == "gradsafe" else torch_split.stage_backward_weight
+            weight = (
+                stage_backward_weight if impl == "gradsafe" else torch_split.stage_backward_weight
+            )
             weight(model.parameters(), handoff)
         handoffs.clear()  # the schedule pops its backward_state entry at W
         gc.collect()
@@ -84,7 +90,9 @@ def _zbv_rank(rank: int, port: int, impl: str, args: Any, queue: Any) -> None:
     torch.manual_seed(0)
     per_stage = max(1, args.layers // 4)
     stages_all = [
-        nn.Sequential(*(m for _ in range(per_stage) for m in (nn.Linear(args.dim, args.dim), nn.Tanh())))
+        nn.Sequential(
+            *(m for _ in range(per_stage) for m in (nn.Linear(args.dim, args.dim), nn.Tanh()))
+        )
         for _ in range(4)
     ]
     indices = [rank, 3 - rank]
@@ -153,7 +161,11 @@ def zbv(args: Any) -> None:
         results[impl] = got
     for rank in range(2):
         print(f"rank {rank} (stages {rank} and {3 - rank})")
-        print(f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}")
+        print(
+            f"{'point':<26}"
+            + "".join(f"{impl:>12}" for impl in results)
+            + f"{'gradsafe/torch':>16}"
+        )
         for name in results["gradsafe"][rank]:
             row = f"{name:<26}" + "".join(f"{results[i][rank][name]:12.1f}" for i in results)
             if results["torch"][rank][name] > 0:
@@ -178,7 +190,9 @@ def main() -> None:
         f"{args.layers} x (Linear({args.dim}) + tanh), microbatch {args.batch}, "
         f"{args.microbatches} microbatches, MiB of live storages created from the forward on"
     )
-    model = nn.Sequential(*(m for _ in range(args.layers) for m in (nn.Linear(args.dim, args.dim), nn.Tanh())))
+    model = nn.Sequential(
+        *(m for _ in range(args.layers) for m in (nn.Linear(args.dim, args.dim), nn.Tanh()))
+    )
     xs = [torch.randn(args.batch, args.dim, requires_grad=True) for _ in range(args.microbatches)]
     ys = [torch.randn(args.batch, args.dim) for _ in range(args.microbatches)]
     results: dict[str, dict[str, float]] = {}
@@ -190,7 +204,9 @@ def main() -> None:
         for x in xs:
             x.grad = None
     names: list[str] = list(next(iter(results.values())))
-    header = f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}"
+    header = (
+        f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}"
+    )
     print(header)
     for name in names:
         row = f"{name:<26}" + "".join(f"{results[i][name]:12.1f}" for i in results)

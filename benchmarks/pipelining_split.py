@@ -53,7 +53,9 @@ def linear_stack(layers: int, d: int, shared: bool, bias: bool) -> tuple[nn.Modu
     if shared:  # H1's nested-shared-weight reproduction, at size
         one = ReusedLinear(d, layers, bias)
         return one, one
-    stack = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(d, d, bias=bias), nn.Tanh())))
+    stack = nn.Sequential(
+        *(m for _ in range(layers) for m in (nn.Linear(d, d, bias=bias), nn.Tanh()))
+    )
     return stack, stack
 
 
@@ -140,14 +142,18 @@ def fmt(v: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
-    parser.add_argument("--section", type=int, choices=(1, 2, 3), action="append", help="run only these")
+    parser.add_argument(
+        "--section", type=int, choices=(1, 2, 3), action="append", help="run only these"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     reps = 5 if args.quick else 15
     d, tokens = (128, 256) if args.quick else (256, 1024)
-    print(f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
-          + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}")
+    print(
+        f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
+        + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}"
+    )
 
     sections = set(args.section or (1, 2, 3))
     if 1 in sections:
@@ -159,17 +165,24 @@ def main() -> None:
 
 
 def section_w_shared(d: int, tokens: int, reps: int) -> None:
-    print("\n1. W of one bias-free Linear applied L times vs L distinct Linears (tokens x d = "
-          f"{tokens} x {d})")
+    print(
+        "\n1. W of one bias-free Linear applied L times vs L distinct Linears (tokens x d = "
+        f"{tokens} x {d})"
+    )
     print(f"{'L':>4} | {'gradsafe W shared/distinct':>27} | {'torch W shared/distinct':>24}")
     for layers in (4, 12):
-        res = {s: measure(*linear_stack(layers, d, s, False), (tokens, d), reps) for s in (True, False)}
+        res = {
+            s: measure(*linear_stack(layers, d, s, False), (tokens, d), reps) for s in (True, False)
+        }
         ratios = []
         for name in ("gradsafe", "torch"):
             sh, di = res[True][name], res[False][name]
-            ratios.append("crash" if sh is None or di is None else f"{sh['W']:.2f}/{di['W']:.2f} = {sh['W'] / di['W']:.2f}x")
+            ratios.append(
+                "crash"
+                if sh is None or di is None
+                else f"{sh['W']:.2f}/{di['W']:.2f} = {sh['W'] / di['W']:.2f}x"
+            )
         print(f"{layers:>4} | {ratios[0]:>27} | {ratios[1]:>24}")
-
 
 
 def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
@@ -182,15 +195,18 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         f"12 transformer blocks (d={d // 2})": (transformer(12, d // 2), (4, tokens // 8, d // 2)),
         f"12 transformer blocks (d={d})": (transformer(12, d), (4, tokens // 8, d)),
     }
-    print(f"{'model':<34} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
-          f"{'gs/fused':>8} | {'gs/torch':>8}")
+    print(
+        f"{'model':<34} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
+        f"{'gs/fused':>8} | {'gs/torch':>8}"
+    )
     for label, ((model, fwd), shape) in models.items():
         r = measure(model, fwd, shape, reps)
         gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
         vs_torch = "torch crashes" if tc is None else f"{gs['total'] / tc['total']:.2f}x"
-        print(f"{label:<34} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
-              f"{fmt(None if tc is None else tc['total']):>9} | {gs['total'] / fu['total']:7.2f}x | {vs_torch:>8}")
-
+        print(
+            f"{label:<34} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
+            f"{fmt(None if tc is None else tc['total']):>9} | {gs['total'] / fu['total']:7.2f}x | {vs_torch:>8}"
+        )
 
 
 def section_analysis() -> None:

@@ -70,13 +70,19 @@ def step(w: torch.Tensor, x: torch.Tensor, fused: bool, policy: ReturnPolicy) ->
     repro_linear(x, w, fuse=fused, store=None, policy=policy).sum().backward()
 
 
-def inspect(w: torch.Tensor, x: torch.Tensor, fused: bool, policy: ReturnPolicy) -> tuple[int, int, bool]:
+def inspect(
+    w: torch.Tensor, x: torch.Tensor, fused: bool, policy: ReturnPolicy
+) -> tuple[int, int, bool]:
     """(bytes behind the returned gradient, .grad bytes the hook sees, .grad is that buffer)."""
     returned: list[torch.Tensor | None] = []
     seen: list[tuple[int, int]] = []
 
     def recording(param, wgrad, *, accumulate_into_main_grad, delayed):  # type: ignore[no-untyped-def]
-        returned.append(policy(param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed))
+        returned.append(
+            policy(
+                param, wgrad, accumulate_into_main_grad=accumulate_into_main_grad, delayed=delayed
+            )
+        )
         return returned[-1]
 
     handle = w.register_post_accumulate_grad_hook(
@@ -85,7 +91,7 @@ def inspect(w: torch.Tensor, x: torch.Tensor, fused: bool, policy: ReturnPolicy)
     step(w, x, fused, recording)
     handle.remove()
     out = returned[0]
-    (grad_bytes, grad_ptr), = seen
+    ((grad_bytes, grad_ptr),) = seen
     out_bytes = 0 if out is None else out.untyped_storage().nbytes()
     return out_bytes, grad_bytes, out is not None and grad_ptr == out.data_ptr()
 
@@ -117,14 +123,22 @@ def main() -> None:
         "shared element (before)": _shared.untyped_storage().nbytes(),
         "TE-style cached full buffer": te_policy(
             w, None, accumulate_into_main_grad=True, delayed=False
-        ).untyped_storage().nbytes(),  # type: ignore[union-attr]
+        )
+        .untyped_storage()
+        .nbytes(),  # type: ignore[union-attr]
         "fresh zeros_like": 0,
         "unfused, return wgrad": 0,
     }
-    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, CPU")
-    print(f"Linear {N_IN}->{N_OUT} fp32, {TOKENS} tokens, weight {w.numel() * 4} bytes, {REPS} reps, medians")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, CPU"
+    )
+    print(
+        f"Linear {N_IN}->{N_OUT} fp32, {TOKENS} tokens, weight {w.numel() * 4} bytes, {REPS} reps, medians"
+    )
     print("returned B: storage behind what the weight slot returns; allocated per call unless kept")
-    print(f"{'variant':30} {'median ms':>10} {'ratio':>6} {'kept B':>9} {'returned B':>10} {'.grad B':>9} stolen")
+    print(
+        f"{'variant':30} {'median ms':>10} {'ratio':>6} {'kept B':>9} {'returned B':>10} {'.grad B':>9} stolen"
+    )
     for name, (fused, policy) in VARIANTS.items():
         out_bytes, grad_bytes, stolen = inspect(w, x, fused, policy)
         med = statistics.median(times[name])

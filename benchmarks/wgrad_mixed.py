@@ -43,7 +43,9 @@ VARIANTS: dict[str, tuple[bool, bool, ReturnPolicy]] = {
 }
 
 
-def step(w: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, variant: tuple[bool, bool, ReturnPolicy]) -> None:
+def step(
+    w: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, variant: tuple[bool, bool, ReturnPolicy]
+) -> None:
     embedding, fused, policy = variant
     x = h + torch.nn.functional.embedding(ids, w) if embedding else h
     repro_linear(x, w, fuse=fused, store=None, policy=policy).pow(2).mean().backward()
@@ -63,7 +65,9 @@ def main() -> None:
     main_grads = {name: w.main_grad.clone() for name, w in weights.items()}  # type: ignore[attr-defined]
     errors = {}
     for name, grad in main_grads.items():
-        ref = main_grads["mixed: both unfused" if name.startswith("mixed") else "head only: unfused"]
+        ref = main_grads[
+            "mixed: both unfused" if name.startswith("mixed") else "head only: unfused"
+        ]
         errors[name] = ((grad - ref).abs().max() / ref.abs().max()).item()
     for name, variant in VARIANTS.items():
         step(weights[name], ids, h, variant)
@@ -75,12 +79,20 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     for ddp in ddps:
         ddp.remove()
-    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, CPU")
-    print(f"tied weight {VOCAB}x{HIDDEN} fp32 ({init.numel() * 4} bytes), {TOKENS} tokens, {REPS} reps, medians")
-    print("rel. error: max |main_grad - the unfused run's| / max |the unfused run's|, after one step")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, CPU"
+    )
+    print(
+        f"tied weight {VOCAB}x{HIDDEN} fp32 ({init.numel() * 4} bytes), {TOKENS} tokens, {REPS} reps, medians"
+    )
+    print(
+        "rel. error: max |main_grad - the unfused run's| / max |the unfused run's|, after one step"
+    )
     print(f"{'variant':38} {'median ms':>10} {'vs gradsafe':>11} {'rel. error':>10}")
     for name in VARIANTS:
-        base = statistics.median(times["mixed: gradsafe" if name.startswith("mixed") else "head only: gradsafe"])
+        base = statistics.median(
+            times["mixed: gradsafe" if name.startswith("mixed") else "head only: gradsafe"]
+        )
         med = statistics.median(times[name])
         print(f"{name:38} {med * 1e3:10.2f} {med / base:11.2f} {errors[name]:10.3g}")
     main_grad, grad = torch.zeros_like(init), torch.randn_like(init)

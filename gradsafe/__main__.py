@@ -44,7 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doctor.add_argument("--json", action="store_true", help="print the full report as JSON")
     doctor.add_argument(
-        "--only", action="append", default=[], choices=_CAPABILITIES, metavar="CAPABILITY",
+        "--only",
+        action="append",
+        default=[],
+        choices=_CAPABILITIES,
+        metavar="CAPABILITY",
         help=f"run only this capability's rows (repeatable): {', '.join(_CAPABILITIES)}; "
         "wgrad is a library custom kernels call, the others are gradsafe.patch() names",
     )

@@ -94,9 +94,13 @@ class Report:
         lines += [fmt.format(*line) for line in cells]
         lines += [f"{mark} upstream column: {source}" for source, mark in marks.items()]
         if cells != [list(line) for line in body]:
-            lines.append("(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)")
+            lines.append(
+                "(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)"
+            )
         lines += ["", "Patches on this torch (what gradsafe.patch() does here):"]
-        lines += [f"  {p}" for p in self.patches] or ["  none: the selected capabilities have no patch"]
+        lines += [f"  {p}" for p in self.patches] or [
+            "  none: the selected capabilities have no patch"
+        ]
         verdict = "gradsafe removes every hazard above" if self.ok else "NOT OK: see WRONG/n/a rows"
         return "\n".join([*lines, "", verdict])
 
@@ -105,7 +109,9 @@ class Report:
 
 
 def _footnote_marks(rows: Sequence[Row]) -> dict[str, str]:
-    sources = dict.fromkeys(r.upstream_source for r in rows if r.upstream_source != "installed torch")
+    sources = dict.fromkeys(
+        r.upstream_source for r in rows if r.upstream_source != "installed torch"
+    )
     return {source: "*" * (i + 1) for i, source in enumerate(sources)}
 
 
@@ -175,8 +181,12 @@ def run(only: Sequence[str] = ()) -> Report:
             with_gradsafe = _run_one(check.gradsafe)
             rows.append(
                 Row(
-                    check.hazard, check.capability, check.upstream_source, upstream,
-                    with_gradsafe, time.perf_counter() - start,
+                    check.hazard,
+                    check.capability,
+                    check.upstream_source,
+                    upstream,
+                    with_gradsafe,
+                    time.perf_counter() - start,
                 )
             )
     machine = f"{platform.machine()}, {'CUDA' if torch.cuda.is_available() else 'CPU only'}"

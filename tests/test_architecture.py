@@ -49,7 +49,9 @@ def import_graph() -> dict[str, set[str]]:
         targets: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                targets |= {resolve(a.name) for a in node.names if a.name.split(".")[0] == "gradsafe"}
+                targets |= {
+                    resolve(a.name) for a in node.names if a.name.split(".")[0] == "gradsafe"
+                }
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -114,7 +116,9 @@ def test_every_module_has_a_layer_and_the_graph_sees_imports_inside_functions() 
     graph = import_graph()
     assert "gradsafe.patching" in graph and "gradsafe.checks" in graph
     # capabilities.py imports each capability's _patch and _hazards inside functions only.
-    assert {"gradsafe.pipelining._patch", "gradsafe.wgrad._hazards"} <= graph["gradsafe.capabilities"]
+    assert {"gradsafe.pipelining._patch", "gradsafe.wgrad._hazards"} <= graph[
+        "gradsafe.capabilities"
+    ]
 
 
 def test_the_import_graph_has_no_cycle() -> None:
@@ -223,7 +227,9 @@ def test_private_torch_internals_live_in_one_module_per_capability() -> None:
     assert outside == {}, f"private torch internals outside their capability's module: {outside}"
 
 
-def test_the_internals_scan_sees_imports_attribute_paths_and_object_attributes(tmp_path: Path) -> None:
+def test_the_internals_scan_sees_imports_attribute_paths_and_object_attributes(
+    tmp_path: Path,
+) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import importlib\n"

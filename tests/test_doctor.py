@@ -28,8 +28,13 @@ def fake_table(monkeypatch: pytest.MonkeyPatch) -> list[Check]:
         Check("crashy", "pipelining", _raise, lambda: Outcome(True, "same grads")),
     ]
     beta = [
-        Check("other", "wgrad", lambda: Outcome(False, "2x"), lambda: Outcome(True, ""),
-              upstream_source="model of another library's policy"),
+        Check(
+            "other",
+            "wgrad",
+            lambda: Outcome(False, "2x"),
+            lambda: Outcome(True, ""),
+            upstream_source="model of another library's policy",
+        ),
     ]
     table = (
         Capability("pipelining", None, lambda: tuple(alpha)),
@@ -60,7 +65,9 @@ def test_a_wrong_unmeasured_or_empty_report_is_not_ok(fake_table: list[Check]) -
     fake_table.append(Check("bad", "pipelining", _raise, _raise))
     report = doctor.run()
     assert not report.ok and "NOT OK" in str(report)
-    fake_table[:] = [Check("pending", "pipelining", lambda: Outcome(None, "x"), lambda: Outcome(None, "x"))]
+    fake_table[:] = [
+        Check("pending", "pipelining", lambda: Outcome(None, "x"), lambda: Outcome(None, "x"))
+    ]
     assert not doctor.run().ok
     fake_table.clear()
     assert not doctor.run(["pipelining"]).ok  # no row ran: nothing was shown right
@@ -71,7 +78,12 @@ def test_json_is_complete(fake_table: list[Check]) -> None:
     assert data["ok"] is True and data["torch"]
     assert data["rows"][1]["upstream"]["detail"].endswith("x" * 300)
     assert set(data["rows"][0]) == {
-        "hazard", "capability", "upstream_source", "upstream", "gradsafe", "seconds"
+        "hazard",
+        "capability",
+        "upstream_source",
+        "upstream",
+        "gradsafe",
+        "seconds",
     }
     assert data["rows"][2]["upstream_source"] == "model of another library's policy"
 
@@ -131,7 +143,10 @@ def test_cli_json_exit_code_matches_verdict_and_lists_patches() -> None:
     proc = _cli("doctor", "--json")
     data = json.loads(proc.stdout)
     assert {row["capability"] for row in data["rows"]} == {
-        "pipelining", "dtensor", "cuda_graphs", "wgrad"
+        "pipelining",
+        "dtensor",
+        "cuda_graphs",
+        "wgrad",
     }
     assert [p["name"] for p in data["patches"]] == ["pipelining", "dtensor", "cuda_graphs"]
     assert proc.returncode == (0 if data["ok"] else 1), proc.stderr
@@ -171,7 +186,9 @@ def test_only_lists_the_selected_capabilities_patches(fake_table: list[Check]) -
     assert [p.name for p in doctor.run().patches] == ["pipelining", "dtensor"]
     text = doctor.run(["wgrad"]).render()
     section = text.split("Patches on this torch")[1]
-    assert "pipelining" not in section and "none: the selected capabilities have no patch" in section
+    assert (
+        "pipelining" not in section and "none: the selected capabilities have no patch" in section
+    )
 
 
 def test_cli_only_shows_only_that_capabilitys_patches() -> None:

@@ -70,7 +70,11 @@ class Fake:
 
             self.plans.append("alpha")
             self.contexts.append(
-                (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), str(torch.empty(0).device))
+                (
+                    torch.is_grad_enabled(),
+                    torch.is_inference_mode_enabled(),
+                    str(torch.empty(0).device),
+                )
             )
             return [
                 AttrTarget("fake_torch_mod", "fn_a", _ours_a),
@@ -93,8 +97,12 @@ class Fake:
             after_change=lambda: self.calls.append("cache cleared"),
         )
         self.gamma = Patch("gamma", "never applies", plan_gamma)
-        self.delta = Patch("delta", "target missing", lambda: [AttrTarget("fake_torch_mod", "not_there", _ours_a)])
-        self.emulation = Patch("emulation", "a testing patch", lambda: [AttrTarget("fake_torch_mod", "fn_b", _theirs)])
+        self.delta = Patch(
+            "delta", "target missing", lambda: [AttrTarget("fake_torch_mod", "not_there", _ours_a)]
+        )
+        self.emulation = Patch(
+            "emulation", "a testing patch", lambda: [AttrTarget("fake_torch_mod", "fn_b", _theirs)]
+        )
         self.registry = PatchRegistry(
             [self.alpha, self.beta, self.gamma, self.delta], testing=[self.emulation]
         )
@@ -239,10 +247,15 @@ def test_threads_balance(fake: Fake) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.sampled_from(["patch", "unpatch", "with", "reuse", "release"]), max_size=12), min_size=1, max_size=4), st.integers(0, 2**16))
-def test_random_interleavings_restore_exact_originals(
-    programs: list[list[str]], seed: int
-) -> None:
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["patch", "unpatch", "with", "reuse", "release"]), max_size=12),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 2**16),
+)
+def test_random_interleavings_restore_exact_originals(programs: list[list[str]], seed: int) -> None:
     monkeypatch = pytest.MonkeyPatch()
     try:
         fake = Fake(monkeypatch)
@@ -313,7 +326,10 @@ def test_skips_are_reported_and_decided_once(fake: Fake) -> None:
         handle.release()
     report = reg.status()
     assert report["gamma"].skipped == "torch 9 already fixed it"
-    assert report["delta"].skipped is not None and "fake_torch_mod.not_there" in report["delta"].skipped
+    assert (
+        report["delta"].skipped is not None
+        and "fake_torch_mod.not_there" in report["delta"].skipped
+    )
     assert report["gamma"].state == report["delta"].state == "skipped"
     assert fake.plans == ["gamma", "alpha"]  # each plan probed once per process
 
@@ -426,7 +442,11 @@ def test_testing_patch_is_seen_by_get_original(fake: Fake) -> None:
 def test_plans_run_in_plain_torch_context(fake: Fake, context: str) -> None:
     import torch
 
-    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(), "meta": torch.device("meta")}
+    ctx = {
+        "no_grad": torch.no_grad(),
+        "inference_mode": torch.inference_mode(),
+        "meta": torch.device("meta"),
+    }
     with ctx[context]:
         fake.registry.patch("alpha").release()
     assert fake.contexts == [(True, False, "cpu")]
@@ -449,7 +469,11 @@ def test_real_patches_plan_under_user_contexts(context: str) -> None:
 
     # A fresh registry over the real patches, so each context probes anew.
     reg = PatchRegistry([capabilities.PIPELINING, capabilities.DTENSOR, capabilities.CUDA_GRAPHS])
-    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(), "meta": torch.device("meta")}
+    ctx = {
+        "no_grad": torch.no_grad(),
+        "inference_mode": torch.inference_mode(),
+        "meta": torch.device("meta"),
+    }
     with ctx[context]:
         handle = reg.patch()
     try:
@@ -506,6 +530,9 @@ def test_emulation_is_in_the_registry() -> None:
 
     with emulate_cuda_graphs():
         assert gradsafe.is_object_patched("torch.cuda.graphs", "CUDAGraph")
-        assert gradsafe.get_original("torch.cuda.graphs", "CUDAGraph") is not torch.cuda.graphs.CUDAGraph
+        assert (
+            gradsafe.get_original("torch.cuda.graphs", "CUDAGraph")
+            is not torch.cuda.graphs.CUDAGraph
+        )
         assert gradsafe.status()["cuda_graphs_emulation"].active
     assert not gradsafe.is_object_patched("torch.cuda.graphs", "CUDAGraph")

@@ -49,11 +49,15 @@ def mod() -> Iterator[types.ModuleType]:
 
 
 def _patch_a(after_change=lambda: None) -> Patch:  # type: ignore[no-untyped-def]
-    return Patch("a", "", lambda: [AttrTarget("gradsafe_review_target", "a", _ours_a)], after_change)
+    return Patch(
+        "a", "", lambda: [AttrTarget("gradsafe_review_target", "a", _ours_a)], after_change
+    )
 
 
 def _patch_b(after_change=lambda: None) -> Patch:  # type: ignore[no-untyped-def]
-    return Patch("b", "", lambda: [AttrTarget("gradsafe_review_target", "b", _ours_b)], after_change)
+    return Patch(
+        "b", "", lambda: [AttrTarget("gradsafe_review_target", "b", _ours_b)], after_change
+    )
 
 
 def test_partially_released_handle_reentered_patches_every_requested_name(

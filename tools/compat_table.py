@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def doctor(python: str) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [python, "-m", "gradsafe", "doctor", "--json"], capture_output=True, text=True, env=env,
+        [python, "-m", "gradsafe", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=600,
     )
     return json.loads(proc.stdout)
@@ -39,7 +42,9 @@ def main(pythons: list[str]) -> None:
     reports = [doctor(p) for p in pythons]
     versions = [str(r["torch"]).split("+")[0] for r in reports]
     rows = {
-        row["hazard"]: row for report in reports for row in report["rows"]  # type: ignore[index]
+        row["hazard"]: row
+        for report in reports
+        for row in report["rows"]  # type: ignore[index]
     }
     print("| capability | hazard | " + " | ".join(f"torch {v}" for v in versions) + " |")
     print("|---|---" + "|---" * len(versions) + "|")
@@ -49,7 +54,9 @@ def main(pythons: list[str]) -> None:
         for report in reports:
             found = [r for r in report["rows"] if r["hazard"] == hazard]  # type: ignore[index]
             cells.append(
-                f"{verdict(found[0]['upstream'])} → {verdict(found[0]['gradsafe'])}" if found else "–"
+                f"{verdict(found[0]['upstream'])} → {verdict(found[0]['gradsafe'])}"
+                if found
+                else "–"
             )
         name = f"{hazard} (upstream modelled)" if modelled else hazard
         print(f"| {first['capability']} | {name} | " + " | ".join(cells) + " |")

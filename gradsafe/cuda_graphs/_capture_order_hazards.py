@@ -88,7 +88,9 @@ def _count_error(value: float, same_dgrads: list[int], wgrads: int) -> str:
     )
 
 
-def te_count_check(order: Sequence[float], delayed_chunks: Iterable[int] | None = None) -> str | None:
+def te_count_check(
+    order: Sequence[float], delayed_chunks: Iterable[int] | None = None
+) -> str | None:
     """TransformerEngine's wgrad validation, modelled: its error message, or None if it accepts.
 
     ``delayed_chunks`` are TransformerEngine's 1-based chunk ids whose modules
@@ -144,10 +146,14 @@ def te_capture(order: Sequence[float], delayed_chunks: Iterable[int] | None = No
     chunks = int(max(dgrads_and_forwards))
     microbatches = len(dgrads_and_forwards) // chunks // 2
     if chunks * microbatches * 2 != len(dgrads_and_forwards):
-        return TECapture("ValueError: Pipeline-parallel order dimension mismatch", passed_count_check=False)
+        return TECapture(
+            "ValueError: Pipeline-parallel order dimension mismatch", passed_count_check=False
+        )
     # Keyed by forward index, as TransformerEngine's dict: a missing key raises KeyError.
     need_wgrad_graph = {
-        c * microbatches + mb: (c + 1) in delayed for c in range(chunks) for mb in range(microbatches)
+        c * microbatches + mb: (c + 1) in delayed
+        for c in range(chunks)
+        for mb in range(microbatches)
     }
     captured: set[int] = set()
     wgrad_graphs: list[tuple[int, int, int]] = []
@@ -168,7 +174,9 @@ def te_capture(order: Sequence[float], delayed_chunks: Iterable[int] | None = No
             if need_wgrad_graph[index] and i not in validated:
                 same_dgrads, wgrads, balanced = _scan(order, i)
                 if not balanced:
-                    return failed(i, f"RuntimeError: {_count_error(value, same_dgrads, wgrads)}", False)
+                    return failed(
+                        i, f"RuntimeError: {_count_error(value, same_dgrads, wgrads)}", False
+                    )
                 validated.update(same_dgrads)
             dgrads[chunk] += 1
             continue
@@ -178,7 +186,9 @@ def te_capture(order: Sequence[float], delayed_chunks: Iterable[int] | None = No
         if index not in need_wgrad_graph:
             return failed(i, f"KeyError: {index}")
         if not need_wgrad_graph[index]:
-            return failed(i, "RuntimeError: No module needs wgrad computation but get float in order")
+            return failed(
+                i, "RuntimeError: No module needs wgrad computation but get float in order"
+            )
         if index in captured:
             return failed(i, f"RuntimeError: {ALREADY_CAPTURED}")
         captured.add(index)

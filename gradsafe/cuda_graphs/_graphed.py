@@ -147,7 +147,8 @@ def make_graphed_callables(
     )
     # Probe every callable before changing any, so a failure leaves none half-made.
     sites = [
-        find_graphed_site(c, graphed_inputs(c, a)) for c, a in zip(returned, sample_args_per_callable)
+        find_graphed_site(c, graphed_inputs(c, a))
+        for c, a in zip(returned, sample_args_per_callable)
     ]
     for site in sites:
         site.install(owning_graphed(site.graphed_cls, ownership))

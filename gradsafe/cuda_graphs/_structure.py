@@ -142,7 +142,10 @@ def _dry_backward(graphed_cls: type[torch.autograd.Function]) -> object:
     if "bwd_graph" in cells:  # torch <= 2.14 closes over the graph; 2.15 reads ctx.bwd_graph
         cells = {**cells, "bwd_graph": types.CellType(_NoReplay())}
     dry = types.FunctionType(
-        code, backward.__globals__, backward.__name__, backward.__defaults__,
+        code,
+        backward.__globals__,
+        backward.__name__,
+        backward.__defaults__,
         tuple(cells[name] for name in code.co_freevars),
     )
     ctx = types.SimpleNamespace(bwd_graph=_NoReplay())
@@ -191,7 +194,11 @@ def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
     leading = _leading_arguments(graphed_cls)
     returned_grads = _dry_backward(graphed_cls)
     if not isinstance(returned_grads, tuple) or len(returned_grads) != leading + num_inputs:
-        got = len(returned_grads) if isinstance(returned_grads, tuple) else type(returned_grads).__name__
+        got = (
+            len(returned_grads)
+            if isinstance(returned_grads, tuple)
+            else type(returned_grads).__name__
+        )
         raise _unsupported(
             f"{_CLASS_NAME}.backward returns {got} gradient slots, expected {leading} for its "
             f"leading non-tensor argument(s) plus {num_inputs} for its tensor inputs"

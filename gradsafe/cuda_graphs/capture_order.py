@@ -108,7 +108,10 @@ class TEOrder:
 
     def kwargs(self) -> dict[str, list[Any]]:
         """Keyword arguments for ``transformer_engine.pytorch.make_graphed_callables``."""
-        return {"_order": list(self.order), "_num_layers_per_chunk": list(self.num_layers_per_chunk)}
+        return {
+            "_order": list(self.order),
+            "_num_layers_per_chunk": list(self.num_layers_per_chunk),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +213,9 @@ class CaptureOrder:
         compute = list(_flatten_actions(actions))
         stages = sorted({stage for stage, _, _ in compute})
         chunk_of = {stage: chunk for chunk, stage in enumerate(stages)}
-        delayed = {stage for stage, kind, _ in compute if kind in ("BACKWARD_INPUT", "BACKWARD_WEIGHT")}
+        delayed = {
+            stage for stage, kind, _ in compute if kind in ("BACKWARD_INPUT", "BACKWARD_WEIGHT")
+        }
         entries: list[CaptureEntry] = []
         for stage, kind, microbatch in compute:
             chunk = chunk_of[stage]
@@ -280,7 +285,9 @@ class CaptureOrder:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         if not 0 <= rank < ranks:
-            raise ValueError(f"CaptureOrder.from_schedule_class: rank {rank} is not in range({ranks})")
+            raise ValueError(
+                f"CaptureOrder.from_schedule_class: rank {rank} is not in range({ranks})"
+            )
         single = issubclass(schedule_cls, PipelineScheduleSingle)
         per_rank = 1 if single else stages_per_rank
         num_stages = ranks * per_rank
@@ -324,7 +331,8 @@ class CaptureOrder:
         _check_te_expressible(self)
         if not any(e.kind is EntryKind.WGRAD for e in self.entries):
             order: list[float] = [
-                (e.chunk + 1) if e.kind is EntryKind.FORWARD else -(e.chunk + 1) for e in self.entries
+                (e.chunk + 1) if e.kind is EntryKind.FORWARD else -(e.chunk + 1)
+                for e in self.entries
             ]
             return TEOrder(tuple(order), tuple(layers))
         # Delayed wgrad: TransformerEngine needs one layer per chunk, so layers become chunks.
@@ -401,7 +409,7 @@ class CaptureOrder:
                         f"{value} is matched by TransformerEngine to chunk {chunk + 1}'s most recent "
                         f"dgrad, microbatch {microbatch}, which position "
                         f"{wgrad_taken[(chunk, microbatch)]} already has; TransformerEngine's count "
-                        "check passes, and its capture then fails (\"This CUDAGraph instance "
+                        'check passes, and its capture then fails ("This CUDAGraph instance '
                         "already owns a captured graph\"). Put each wgrad before its chunk's next "
                         "dgrad.",
                     )
@@ -453,7 +461,9 @@ def _flatten_actions(actions: Iterable[Any]) -> Iterable[tuple[int, str, int]]:
         if kind not in _COMPUTE:
             continue
         if action.microbatch_index is None:
-            raise ValueError(f"CaptureOrder.from_actions: compute action {action} has no microbatch")
+            raise ValueError(
+                f"CaptureOrder.from_actions: compute action {action} has no microbatch"
+            )
         yield action.stage_index, kind, action.microbatch_index
 
 
@@ -500,7 +510,9 @@ def _validate(order: CaptureOrder) -> None:
         elif e.kind is EntryKind.DGRAD:
             if key in dgrad_at:
                 raise CaptureOrderError(
-                    Rule.ONE_PER_MICROBATCH, position, f"{e} repeats the dgrad at position {dgrad_at[key]}"
+                    Rule.ONE_PER_MICROBATCH,
+                    position,
+                    f"{e} repeats the dgrad at position {dgrad_at[key]}",
                 )
             if key not in forward_at:
                 raise CaptureOrderError(
@@ -530,7 +542,9 @@ def _validate(order: CaptureOrder) -> None:
                 )
             if key in wgrad_at:
                 raise CaptureOrderError(
-                    Rule.ONE_WGRAD_PER_DGRAD, position, f"{e} repeats the wgrad at position {wgrad_at[key]}"
+                    Rule.ONE_WGRAD_PER_DGRAD,
+                    position,
+                    f"{e} repeats the wgrad at position {wgrad_at[key]}",
                 )
             if key not in dgrad_at:
                 raise CaptureOrderError(

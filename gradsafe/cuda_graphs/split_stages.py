@@ -117,7 +117,11 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, stages: GraphedSplitStages, slot: _Slot, anchor: torch.Tensor, *inputs: torch.Tensor
+        ctx: Any,
+        stages: GraphedSplitStages,
+        slot: _Slot,
+        anchor: torch.Tensor,
+        *inputs: torch.Tensor,
     ) -> Any:
         # ``anchor`` requires grad when the chunk has parameters, so the outputs do
         # (and B runs) even when no input requires grad (a pipeline's first stage).
@@ -229,8 +233,10 @@ class GraphedSplitStages:
                 "call restart_step() and run the step again from its first forward."
             )
         expected = self.next_entry
-        if expected.kind is not kind or expected.chunk != chunk or (
-            microbatch is not None and expected.microbatch != microbatch
+        if (
+            expected.kind is not kind
+            or expected.chunk != chunk
+            or (microbatch is not None and expected.microbatch != microbatch)
         ):
             mb = "mb?" if microbatch is None else f"mb{microbatch}"
             raise ReplayOrderError(self._position, expected, f"{kind.value}(c{chunk},{mb})")
@@ -340,7 +346,9 @@ class GraphedSplitStages:
                 torch.autograd.backward(roots, grads)
 
 
-def _backward_input(slot: _Slot, params: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor | None, ...], WeightGradHandoff]:
+def _backward_input(
+    slot: _Slot, params: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor | None, ...], WeightGradHandoff]:
     """B on the slot's static tensors: gradsafe's split B (input grads, W's records)."""
     outputs = [o for o, g in zip(slot.static_outputs, slot.static_grad_outputs) if g is not None]
     grads = [g for g in slot.static_grad_outputs if g is not None]
@@ -372,10 +380,14 @@ def _check_inputs(chunk: int, module: Any, args: Any) -> tuple[torch.Tensor, ...
                 "per W replay."
             )
     if any(b.requires_grad for b in module.buffers()):
-        raise ValueError(f"make_graphed_split_callables: chunk {chunk} has a buffer that requires grad")
+        raise ValueError(
+            f"make_graphed_split_callables: chunk {chunk} has a buffer that requires grad"
+        )
     flat = tuple(arg_tree_leaves(*args))
     if not all(isinstance(a, torch.Tensor) for a in flat):
-        raise TypeError(f"make_graphed_split_callables: sample_args of chunk {chunk} must be tensors only")
+        raise TypeError(
+            f"make_graphed_split_callables: sample_args of chunk {chunk} must be tensors only"
+        )
     return flat
 
 
@@ -444,7 +456,11 @@ def make_graphed_split_callables(
         for m in order.microbatches(c):
             slots[(c, m)] = _Slot(c, m, tuple(static_copy(t) for t in flat_samples[c]))
     anchors = [
-        torch.zeros((), device=(flat_samples[c] or params[c])[0].device, requires_grad=any(p.requires_grad for p in params[c]))
+        torch.zeros(
+            (),
+            device=(flat_samples[c] or params[c])[0].device,
+            requires_grad=any(p.requires_grad for p in params[c]),
+        )
         for c in order.chunks
     ]
     _warm_up(modules, params, slots, order, num_warmup_iters)
@@ -459,7 +475,9 @@ def make_graphed_split_callables(
     return stages
 
 
-def _check_arguments(modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple[Any, ...]], order: CaptureOrder) -> None:
+def _check_arguments(
+    modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple[Any, ...]], order: CaptureOrder
+) -> None:
     """Refuse an order or samples that do not match the callables (before anything runs)."""
     if len(sample_args) != len(modules):
         raise ValueError(
@@ -550,7 +568,11 @@ def _capture(
 
 
 def _graphed_forward(
-    stages: GraphedSplitStages, chunk: int, module: torch.nn.Module, training: bool, eager: Callable[..., Any]
+    stages: GraphedSplitStages,
+    chunk: int,
+    module: torch.nn.Module,
+    training: bool,
+    eager: Callable[..., Any],
 ) -> Callable[..., Any]:
     def forward(*args: Any) -> Any:
         if module.training != training:

@@ -63,8 +63,16 @@ class CollectiveCounter(TorchDispatchMode):
 
     _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
     # Not wait_tensor or _wrap_tensor_autograd, which accompany a collective.
-    _COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                    "all_to_all", "alltoall", "broadcast")
+    _COLLECTIVES = (
+        "all_reduce",
+        "allreduce",
+        "all_gather",
+        "allgather",
+        "reduce_scatter",
+        "all_to_all",
+        "alltoall",
+        "broadcast",
+    )
 
     def __init__(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -77,9 +85,7 @@ class CollectiveCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self._dtensor in types:
             # Let DTensor dispatch first, so the collectives it issues come back here.
             return NotImplemented

@@ -103,7 +103,9 @@ class _ThreadCacheGuard:
             leaf = torch.zeros((), device=device, requires_grad=True)
             out = leaf.clone()
             if out.grad_fn is None:
-                raise RuntimeError(f"gradsafe: no autograd node for a {device} tensor under enable_grad")
+                raise RuntimeError(
+                    f"gradsafe: no autograd node for a {device} tensor under enable_grad"
+                )
             out.grad_fn.register_prehook(clear_here)
             # Goes through the wrapper again; this thread and device are already done.
             torch.autograd.grad(out, leaf, torch.ones((), device=device))
@@ -166,9 +168,7 @@ def plan_for(found: ProbeResult) -> Sequence[Target] | Skip:
                     MISSING,
                 )
             )
-    targets.append(
-        AttrTarget(*_torch.BACKWARD_ENTRY, _GUARDED_BACKWARD)
-    )
+    targets.append(AttrTarget(*_torch.BACKWARD_ENTRY, _GUARDED_BACKWARD))
     return tuple(targets)
 
 

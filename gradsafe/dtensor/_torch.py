@@ -128,9 +128,7 @@ def probe_mesh(shape: Sequence[int]) -> DeviceMesh:
     return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
 
 
-def _spec(
-    mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int]
-) -> DTensorSpec:
+def _spec(mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int]) -> DTensorSpec:
     contiguous = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     meta = TensorMeta(torch.Size(shape), contiguous, torch.float32)
     return DTensorSpec(mesh, placements, tensor_meta=meta)

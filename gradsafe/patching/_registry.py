@@ -185,7 +185,10 @@ class PatchRegistry:
         with self._lock:
             for record in self._records():
                 target = record.target
-                if isinstance(target, AttrTarget) and (target.module, target.attr) == (module, attr):
+                if isinstance(target, AttrTarget) and (target.module, target.attr) == (
+                    module,
+                    attr,
+                ):
                     return record.original
             owner, name = owner_of(module, attr)
             current = getattr(owner, name)
@@ -327,7 +330,9 @@ class PatchRegistry:
         # Each undo record assumes it is the only patch in its slot: a second
         # one would restore torch's object under the first.
         for other in self._entries.values():
-            if other is not entry and any(slot_of(r.target) == slot_of(target) for r in other.applied):
+            if other is not entry and any(
+                slot_of(r.target) == slot_of(target) for r in other.applied
+            ):
                 raise RuntimeError(
                     f"gradsafe patches {other.patch.name!r} and {entry.patch.name!r} both replace "
                     f"{target.where}; a slot can belong to one applied patch at a time. Release "
@@ -367,9 +372,7 @@ class PatchRegistry:
             state, skipped = "skipped", entry.plan.reason
         else:
             state = "idle"
-            targets = tuple(
-                TargetState(t.where, "planned", peek(t)) for t in entry.plan
-            )
+            targets = tuple(TargetState(t.where, "planned", peek(t)) for t in entry.plan)
         return PatchState(
             name=entry.patch.name,
             summary=entry.patch.summary,

@@ -9,7 +9,17 @@ from typing import Final, Union
 
 from typing_extensions import TypeAlias
 
-__all__ = ["MISSING", "AttrTarget", "ItemTarget", "Patch", "Plan", "Skip", "Target", "owner_of", "slot_of"]
+__all__ = [
+    "MISSING",
+    "AttrTarget",
+    "ItemTarget",
+    "Patch",
+    "Plan",
+    "Skip",
+    "Target",
+    "owner_of",
+    "slot_of",
+]
 
 
 class _Missing:

@@ -54,7 +54,10 @@ class _WRecords(TypedDict):
 
 
 def _record(
-    store: dict[Node, tuple[torch.Tensor | None, ...]], node: Node, grad_inputs: Any, grad_outputs: Any
+    store: dict[Node, tuple[torch.Tensor | None, ...]],
+    node: Node,
+    grad_inputs: Any,
+    grad_outputs: Any,
 ) -> None:
     # A post hook: what arrived, after every pre-hook and tensor hook changed it.
     store[node] = tuple(grad_outputs)
@@ -142,12 +145,16 @@ def _stage_backward_input(
             "another backward."
         )
     inputs = [
-        (i, t) for i, t in enumerate(input_values) if isinstance(t, torch.Tensor) and t.requires_grad
+        (i, t)
+        for i, t in enumerate(input_values)
+        if isinstance(t, torch.Tensor) and t.requires_grad
     ]
     input_nodes = {get_gradient_edge(t).node for _, t in inputs}
     refuse_inputs(inputs, input_nodes, weight_list)
     graph = analyze([r.edge for r in roots], input_nodes)
-    owners = leaf_owners(graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None)
+    owners = leaf_owners(
+        graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None
+    )
     refuse_weight_side(graph, input_nodes)
     in_b, in_k, has_checkpoints = weight_parts_in_b(graph)
     k_leaves = [n for n in graph.leaves if n in in_k]

@@ -232,7 +232,9 @@ class WeightGradHandoff:
                         self._leaves,
                         callbacks,
                     )
-            except RuntimeError as exc:  # torch's own errors; a hook's other exceptions pass as they are
+            except (
+                RuntimeError
+            ) as exc:  # torch's own errors; a hook's other exceptions pass as they are
                 if engine_error(exc) == "donated_buffer":
                     raise SplitBackwardError(DONATED_BUFFERS) from exc
                 raise SplitBackwardError(
@@ -289,4 +291,3 @@ class WeightGradHandoff:
         self._owners = ()
         self._outputs = ()
         self._keep_alive = ()
-

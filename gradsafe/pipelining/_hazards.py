@@ -140,9 +140,16 @@ def hooks_fire_once_in_w() -> Outcome:
         accumulators.append(accumulator)
     split_backward(module, torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
     n = len(accumulators)
-    wrong = [f"{kind} hooks fired {fired.get(kind, 0)}x" for kind in ("post-accumulate-grad", "AccumulateGrad node") if fired.get(kind, 0) != n]
+    wrong = [
+        f"{kind} hooks fired {fired.get(kind, 0)}x"
+        for kind in ("post-accumulate-grad", "AccumulateGrad node")
+        if fired.get(kind, 0) != n
+    ]
     if not wrong:
-        return Outcome(True, f"post-accumulate-grad and AccumulateGrad node hooks fired once per parameter ({n}) in W")
+        return Outcome(
+            True,
+            f"post-accumulate-grad and AccumulateGrad node hooks fired once per parameter ({n}) in W",
+        )
     return Outcome(False, ", ".join(wrong) + f" for {n} parameters")
 
 
@@ -251,10 +258,13 @@ def _count_firings(modules: Sequence[nn.Module]) -> list[int]:
 def _result(modules: Sequence[nn.Module], loss: ChunkedHeadLoss, fired: list[int]) -> PipelineRun:
     grads = {
         f"stage{i}.{name}": None if p.grad is None else p.grad.clone()
-        for i, m in enumerate(modules) for name, p in m.named_parameters()
+        for i, m in enumerate(modules)
+        for name, p in m.named_parameters()
     }
     buffers = {
-        f"stage{i}.{name}": b.clone() for i, m in enumerate(modules) for name, b in m.named_buffers()
+        f"stage{i}.{name}": b.clone()
+        for i, m in enumerate(modules)
+        for name, b in m.named_buffers()
     }
     return PipelineRun(grads, buffers, loss.calls, fired[0])
 

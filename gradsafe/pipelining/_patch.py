@@ -66,7 +66,9 @@ def _call_site_mismatch(stage: Any, backward: Any) -> str | None:
     try:
         tree = ast.parse(inspect.getsource(stage))
     except (OSError, TypeError, SyntaxError) as exc:
-        return f"cannot read {_CALLED_FROM}'s source to check how it calls the split functions ({exc})"
+        return (
+            f"cannot read {_CALLED_FROM}'s source to check how it calls the split functions ({exc})"
+        )
     seen: set[str] = set()
     for call in ast.walk(tree):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
@@ -120,7 +122,8 @@ def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
     if schedule_wide is not None:
         targets.append(
             AttrTarget(
-                _SCHEDULES, f"_PipelineSchedule.{_SCHEDULE_INFERENCE}",
+                _SCHEDULES,
+                f"_PipelineSchedule.{_SCHEDULE_INFERENCE}",
                 _inference.around_schedule_inference(schedule_wide),
             )
         )
@@ -138,7 +141,8 @@ def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
     if to_tensor is not None:
         targets.append(
             AttrTarget(
-                _CALLED_FROM, f"PipelineStage.{_FROM_METADATA}",
+                _CALLED_FROM,
+                f"PipelineStage.{_FROM_METADATA}",
                 _inference.zero_filled_inputs(to_tensor),
             )
         )

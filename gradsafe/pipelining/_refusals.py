@@ -76,7 +76,9 @@ def require_input_list(input_values: object) -> None:
 
 
 def refuse_inputs(
-    inputs: Sequence[tuple[int, torch.Tensor]], input_nodes: set[Node], weights: Sequence[torch.Tensor]
+    inputs: Sequence[tuple[int, torch.Tensor]],
+    input_nodes: set[Node],
+    weights: Sequence[torch.Tensor],
 ) -> None:
     """Refuse stage inputs a split backward cannot give exact gradients (``input_nodes``: their gradient-edge nodes)."""
     weight_ids = {id(w) for w in weights}
@@ -107,7 +109,7 @@ def refuse_weight_side(graph: StageGraph, input_nodes: set[Node]) -> None:
             raise SplitBackwardError(
                 f"a torch.utils.checkpoint region with use_reentrant=True is on this stage's {side} "
                 "side; its "
-                "backward refuses torch.autograd.grad (\"call .backward() without passing the "
+                'backward refuses torch.autograd.grad ("call .backward() without passing the '
                 "inputs argument\"), which B and W run it under, and torch's own split fails the "
                 "same way. Use use_reentrant=False (or checkpoint_wrapper's non-reentrant mode), "
                 "or stage_backward (fused). No gradient has changed."
@@ -230,7 +232,9 @@ def _refuse_multi_grad_hooks_across(
     for nodes in multi_grad_hook_spans(tensors).values():
         if all(n in input_nodes for n in nodes):
             continue
-        leaves = [n is not None and n not in input_nodes and leaf_variable(n) is not None for n in nodes]
+        leaves = [
+            n is not None and n not in input_nodes and leaf_variable(n) is not None for n in nodes
+        ]
         if all(leaves):
             continue
         what = (

@@ -26,7 +26,6 @@ from gradsafe.pipelining._torch import input_meta
 __all__ = ["Root", "collect_roots", "tensor_list"]
 
 
-
 # Values that carry no gradient wherever they appear in a stage's outputs.
 _INERT = (type(None), bool, int, float, complex, str, bytes)
 
@@ -48,7 +47,10 @@ def collect_roots(output: Any, grad: Any) -> list[Root]:
 
 
 def _implied_grad(
-    shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device,
+    shape: torch.Size,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
     error: type[SplitBackwardError] = SplitBackwardError,
 ) -> torch.Tensor:
     if math.prod(shape) != 1:

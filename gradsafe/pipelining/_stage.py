@@ -29,7 +29,11 @@ def inference_without_ddp_prepare(original: Callable[..., Any]) -> Callable[...,
     @functools.wraps(original)
     def _forward_metadata_inference(self: Any, *args: Any, **kwargs: Any) -> Any:
         submod = self.submod
-        quiet = submod.no_sync() if isinstance(submod, DistributedDataParallel) else contextlib.nullcontext()
+        quiet = (
+            submod.no_sync()
+            if isinstance(submod, DistributedDataParallel)
+            else contextlib.nullcontext()
+        )
         with quiet:
             return original(self, *args, **kwargs)
 

@@ -338,6 +338,7 @@ def _silenced(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
                 if hooks.get(key) is _no_hook:
                     hooks[key] = hook
 
+
 @contextlib.contextmanager
 def deferred_callbacks(nodes: set[Node]) -> Iterator[list[Callable[[], None]]]:
     """Hold the end-of-backward callbacks that hooks of ``nodes`` queue, in the yielded list.
@@ -354,7 +355,7 @@ def deferred_callbacks(nodes: set[Node]) -> Iterator[list[Callable[[], None]]]:
     entry = (nodes, held)
     with _CALLBACK_LOCK:
         if not _DEFERRING:
-            Variable._execution_engine = _DeferringEngine(Variable._execution_engine)  # type: ignore[attr-defined]
+            Variable._execution_engine = _DeferringEngine(Variable._execution_engine)  # type: ignore[attr-defined,assignment]
         _DEFERRING.append(entry)
     try:
         yield held
@@ -588,7 +589,9 @@ _REF_OVERHEAD = _ref_overhead()
 _REF_OVERHEAD_PROBE.clear()
 
 
-def _holder_nodes(hook: Any, ignore: dict[int, Any], known: dict[int, Node]) -> tuple[Node | None, ...]:
+def _holder_nodes(
+    hook: Any, ignore: dict[int, Any], known: dict[int, Node]
+) -> tuple[Node | None, ...]:
     """The node of each tensor whose hook dict holds ``hook`` (``known``: by dict id), None where unidentified."""
     import gc
 
@@ -602,7 +605,9 @@ def _holder_nodes(hook: Any, ignore: dict[int, Any], known: dict[int, Node]) -> 
         if "__builtins__" in holder:
             continue  # a module's globals, not a tensor's hook dict
         owners = [
-            t for t in gc.get_referrers(holder) if isinstance(t, torch.Tensor) and t._backward_hooks is holder
+            t
+            for t in gc.get_referrers(holder)
+            if isinstance(t, torch.Tensor) and t._backward_hooks is holder
         ]
         found.extend(get_gradient_edge(t).node if t.requires_grad else None for t in owners)
         if not owners:
@@ -682,11 +687,15 @@ def _missing_hook_introspection(node: Node, x: torch.Tensor, w: torch.Tensor) ->
         second.remove()
     for mode in ("all", "any"):
         handle = torch.autograd.graph.register_multi_grad_hook(
-            (x, w), lambda grads: None, mode=mode  # type: ignore[arg-type]
+            (x, w),
+            lambda grads: None,
+            mode=mode,  # type: ignore[arg-type]
         )
         try:
             spans = multi_grad_hook_spans([x, w])
-            joined = list(spans.values()) == [(get_gradient_edge(x).node, get_gradient_edge(w).node)]
+            joined = list(spans.values()) == [
+                (get_gradient_edge(x).node, get_gradient_edge(w).node)
+            ]
         finally:
             handle.remove()
         if not joined:

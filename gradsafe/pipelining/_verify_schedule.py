@@ -36,6 +36,7 @@ def placement(schedule: str, ranks: int) -> dict[int, list[int]]:
         return {r: [r, 2 * ranks - 1 - r] for r in range(ranks)}
     return {r: [r, r + ranks] for r in range(ranks)}
 
+
 _TIMEOUT_S = 300
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 _MODES = ("gradsafe", "upstream")

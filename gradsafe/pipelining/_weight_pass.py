@@ -241,7 +241,9 @@ def leaf_grads(
         roots = list(sums.items())
         sums.clear()
         deferring = (
-            contextlib.nullcontext(None) if callbacks is None else deferred_callbacks(set(weight_nodes))
+            contextlib.nullcontext(None)
+            if callbacks is None
+            else deferred_callbacks(set(weight_nodes))
         )
         with silenced_tensor_hooks(leaf_tensors), deferring as held:
             # retain_graph: a weight-only part may be shared with a later
@@ -256,9 +258,7 @@ def leaf_grads(
         del roots
         if held:
             callbacks.extend(held)  # type: ignore[union-attr]
-        totals = [
-            b if a is None else a if b is None else a + b for a, b in zip(totals, arrived)
-        ]
+        totals = [b if a is None else a if b is None else a + b for a, b in zip(totals, arrived)]
     return totals
 
 

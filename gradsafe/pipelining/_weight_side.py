@@ -63,7 +63,9 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
     }
     in_b |= checkpointed
     # A node whose weight-only call crashes this torch computes both parts in B.
-    in_b |= {item for item in graph.intermediates if item not in in_b and crashes_weight_only(item.node)}
+    in_b |= {
+        item for item in graph.intermediates if item not in in_b and crashes_weight_only(item.node)
+    }
     in_k: set[Node] = set()
     # A checkpointed (or offloaded) weight-only node joins K too: its region
     # then recomputes in B's engine call, in the order a fused backward

@@ -43,7 +43,9 @@ _pool_ids = itertools.count(1)
 _stream_ids = itertools.count(1)
 
 
-_SYNC_FIX: Final = "Synchronise before capture_begin() or after capture_end(), never inside the capture."
+_SYNC_FIX: Final = (
+    "Synchronise before capture_begin() or after capture_end(), never inside the capture."
+)
 
 
 def _refuse_while_capturing(what: str) -> None:
@@ -95,9 +97,7 @@ class _CaptureStreams:
 
     def unjoined(self) -> list[EmulatedStream]:
         joined = self.seen[self.origin]
-        return [
-            s for s, n in self.work.items() if s is not self.origin and joined.get(s, 0) < n
-        ]
+        return [s for s, n in self.work.items() if s is not self.origin and joined.get(s, 0) < n]
 
 
 def _capture_streams() -> _CaptureStreams | None:
@@ -256,7 +256,9 @@ class EmulatedCUDAGraph:
         if _STATE.capturing is not None:
             raise RuntimeError("emulated CUDAGraph: another capture is already underway")
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise RuntimeError(f"emulated CUDAGraph: unknown capture_error_mode {capture_error_mode!r}")
+            raise RuntimeError(
+                f"emulated CUDAGraph: unknown capture_error_mode {capture_error_mode!r}"
+            )
         if _STATE.current is _STATE.default:
             raise RuntimeError(
                 "CUDA graphs must be captured on a non-default stream. (However, after capture, "
@@ -304,7 +306,9 @@ class EmulatedCUDAGraph:
             recording.seal()
         if recording.refusal.first is not None:
             self._recording = None
-            raise capture_error(f"{INVALIDATED} (emulated; the first error was: {recording.refusal.first})")
+            raise capture_error(
+                f"{INVALIDATED} (emulated; the first error was: {recording.refusal.first})"
+            )
         unjoined = streams.unjoined()
         if unjoined:
             self._recording = None
@@ -365,7 +369,9 @@ class emulated_graph:  # noqa: N801 -- mirrors torch.cuda.graph, a class used as
         self.capture_error_mode = capture_error_mode
         if stream is None and emulated_graph.default_capture_stream is None:
             emulated_graph.default_capture_stream = EmulatedStream()
-        self.capture_stream = stream if stream is not None else emulated_graph.default_capture_stream
+        self.capture_stream = (
+            stream if stream is not None else emulated_graph.default_capture_stream
+        )
         self._stream_ctx = _StreamContext(self.capture_stream)
 
     def __enter__(self) -> None:
@@ -402,6 +408,7 @@ _SLOTS: Final = (
     ("torch.cuda.graphs", "graph_pool_handle", _graph_pool_handle),
     ("torch.cuda.graphs", "is_current_stream_capturing", _is_current_stream_capturing),
 )
+
 
 def plan() -> list[Target]:
     """The slots emulation replaces (the registry's ``cuda_graphs_emulation`` patch)."""

@@ -82,6 +82,7 @@ _HOST_READ_FIX: Final = (
     "Read device values on the host only outside the captured region (after replay())."
 )
 
+
 def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
     """Why a CUDA capture would refuse this aten call (its row in the verdict table), or None."""
     row = host_read_refused(func, args, kwargs)
@@ -191,9 +192,15 @@ class GraphRecording:
         with _disable_current_modes(), torch.no_grad():
             self._saved[key] = (storage, storage.clone())
 
-    def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, frozen_args: list[Any], out: Any) -> None:
+    def record(
+        self, func: Callable[..., Any], args: tuple, kwargs: dict, frozen_args: list[Any], out: Any
+    ) -> None:
         flat_args = pytree.tree_leaves((args, kwargs))
-        read = {key for a in flat_args if isinstance(a, torch.Tensor) and (key := _storage_key(a)) is not None}
+        read = {
+            key
+            for a in flat_args
+            if isinstance(a, torch.Tensor) and (key := _storage_key(a)) is not None
+        }
         fresh: dict[int, _Frozen] = {}
         for i, o in enumerate(pytree.tree_leaves(out)):
             if not isinstance(o, torch.Tensor):
@@ -219,7 +226,9 @@ class GraphRecording:
         self._saved.clear()
         torch.set_rng_state(self._rng_state)
         self._layouts = [
-            (weakref.ref(t), _Layout.of(t)) for t in self._touched.values() if t.layout is torch.strided
+            (weakref.ref(t), _Layout.of(t))
+            for t in self._touched.values()
+            if t.layout is torch.strided
         ]
         self._touched.clear()
         self._sealed = True

@@ -69,7 +69,9 @@ class Pending(Protocol):
 class DelayedStore(Recorder, Protocol):
     def seal(self) -> Pending: ...
 
-    def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle: ...
+    def register_grad_ready_hook(
+        self, param: torch.Tensor, hook: GradReadyHook
+    ) -> RemovableHandle: ...
 
 
 class _ReproLinear(torch.autograd.Function):
@@ -141,7 +143,9 @@ def kernel_with(policy: ReturnPolicy) -> Kernel:
     def kernel(
         x: torch.Tensor, weight: torch.Tensor, *, accumulate_into_main_grad: bool, wgrad_store: Any
     ) -> torch.Tensor:
-        return repro_linear(x, weight, fuse=accumulate_into_main_grad, store=wgrad_store, policy=policy)
+        return repro_linear(
+            x, weight, fuse=accumulate_into_main_grad, store=wgrad_store, policy=policy
+        )
 
     return kernel
 
@@ -282,7 +286,9 @@ def _drive(
     grad_added_flag: bool,
 ) -> Run:
     ddp = MegatronStyleDDP(
-        module_of(params, store), delay_wgrad_compute=store is not None, grad_added_flag=grad_added_flag
+        module_of(params, store),
+        delay_wgrad_compute=store is not None,
+        grad_added_flag=grad_added_flag,
     )
     ddp.zero_grad_buffer()
     if store is None:
@@ -306,7 +312,9 @@ def _drive(
     return run
 
 
-def compare(run: Run, ref: Run, *, hooks_see_grad: Sequence[bool], check_timing: bool = True) -> list[str]:
+def compare(
+    run: Run, ref: Run, *, hooks_see_grad: Sequence[bool], check_timing: bool = True
+) -> list[str]:
     """Every way ``run`` differs from the plain-autograd reference, in words (empty: it matches).
 
     ``hooks_see_grad[i]``: whether parameter i's hook must see ``.grad`` (else
@@ -323,7 +331,9 @@ def compare(run: Run, ref: Run, *, hooks_see_grad: Sequence[bool], check_timing:
             err = (got - want).abs().max().item()
             problems.append(f"{name}: main_grad wrong (max error {err:.3g})")
         if len(calls) != len(ref_calls):
-            problems.append(f"{name}: {len(calls)} hook calls, plain backward gives {len(ref_calls)}")
+            problems.append(
+                f"{name}: {len(calls)} hook calls, plain backward gives {len(ref_calls)}"
+            )
         elif check_timing and not all(
             c.main_grad_after is not None
             and r.main_grad_after is not None
@@ -412,9 +422,7 @@ def _plain(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def reference(microbatches: int = 4) -> Run:
     """The six-configuration model in plain autograd (no fused kernel) under the same DDP."""
     params = _six_params()
-    losses = [
-        lambda x=x: _six_loss(x, params, _plain) for x in _inputs(microbatches, 3)
-    ]
+    losses = [lambda x=x: _six_loss(x, params, _plain) for x in _inputs(microbatches, 3)]
     return _drive(_SIX_NAMES, params, None, losses, grad_added_flag=False)
 
 
@@ -507,7 +515,10 @@ def _mixed_loss(
 def _mixed_data(microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     return [
-        (torch.randn(4, _WIDTH, generator=g, dtype=torch.float64), torch.randint(0, _WIDTH, (4,), generator=g))
+        (
+            torch.randn(4, _WIDTH, generator=g, dtype=torch.float64),
+            torch.randint(0, _WIDTH, (4,), generator=g),
+        )
         for _ in range(microbatches)
     ]
 
@@ -586,7 +597,9 @@ def _six(kernel: Kernel, store_factory: Callable[[], DelayedStore]) -> Outcome:
             failing.append(f"{config}: {problems[0]}")
     if failing:
         return Outcome(False, f"{len(failing)}/{len(CONFIGS)} configs fail: " + "; ".join(failing))
-    return Outcome(True, f"{len(CONFIGS)}/{len(CONFIGS)} configs: main_grad, hook count, timing, thread")
+    return Outcome(
+        True, f"{len(CONFIGS)}/{len(CONFIGS)} configs: main_grad, hook count, timing, thread"
+    )
 
 
 def _mixed(kernel: Kernel, store_factory: Callable[[], DelayedStore]) -> Outcome:
@@ -598,7 +611,9 @@ def _mixed(kernel: Kernel, store_factory: Callable[[], DelayedStore]) -> Outcome
     total = 2 * len(MIXES)
     if failing:
         return Outcome(False, f"{len(failing)}/{total} mixes fail: " + "; ".join(failing))
-    return Outcome(True, f"{total}/{total} mixes (1 and 4 microbatches): main_grad, hook count, thread")
+    return Outcome(
+        True, f"{total}/{total} mixes (1 and 4 microbatches): main_grad, hook count, thread"
+    )
 
 
 CHECKS = (

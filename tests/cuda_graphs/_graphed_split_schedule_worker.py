@@ -63,7 +63,10 @@ def main() -> None:
     result: dict[str, object] = {}
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
             timeout=timedelta(seconds=60),
         )
         from torch.distributed.pipelining import (
@@ -86,7 +89,10 @@ def main() -> None:
             )
             graphed = make_graphed_split_callables(
                 [modules[i] for i in indices],
-                [(torch.randn(rows, DIM, dtype=torch.float64, requires_grad=i != 0),) for i in indices],
+                [
+                    (torch.randn(rows, DIM, dtype=torch.float64, requires_grad=i != 0),)
+                    for i in indices
+                ],
                 order,
             )
             counts: dict[str, int] = {}
@@ -99,6 +105,7 @@ def main() -> None:
                         counts[key] += 1
 
                     p.register_post_accumulate_grad_hook(hook)
+
             # Static stage metadata: the stage runs no forward to infer it (which would
             # replay a graph out of order). requires_grad says which gradients flow.
             def example(requires_grad: bool) -> torch.Tensor:
@@ -106,8 +113,13 @@ def main() -> None:
 
             stages = [
                 PipelineStage(
-                    modules[i], i, STAGES, torch.device("cpu"),
-                    input_args=(example(i != 0),), output_args=(example(True),), group=dist.group.WORLD,
+                    modules[i],
+                    i,
+                    STAGES,
+                    torch.device("cpu"),
+                    input_args=(example(i != 0),),
+                    output_args=(example(True),),
+                    group=dist.group.WORLD,
                     dw_builder=graphed.dw_builder(chunk),
                 )
                 for chunk, i in enumerate(indices)
@@ -127,7 +139,9 @@ def main() -> None:
         }
         result["hooks"] = counts
     except Exception as exc:  # report, don't hang the peer
-        result["crash"] = f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-3000:]
+        result["crash"] = (
+            f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-3000:]
+        )
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     if "crash" in result:
         os._exit(1)  # close the sockets so the peer fails fast instead of waiting on a recv

@@ -313,7 +313,9 @@ def test_te_round_trip(gen: Generated) -> None:
     ]
     captured = te_capture(te.order)
     assert captured.error is None
-    assert [(c - 1, mb) for _, c, mb in captured.wgrad_graphs] == [(e.chunk, e.microbatch) for e in wgrads]
+    assert [(c - 1, mb) for _, c, mb in captured.wgrad_graphs] == [
+        (e.chunk, e.microbatch) for e in wgrads
+    ]
     back = CaptureOrder.from_te_order(te.order, strict=True)
     assert back.entries == gen.entries
     assert back.delayed_wgrad_chunks == frozenset(e.chunk for e in wgrads)
@@ -406,7 +408,9 @@ def test_corruptions_are_refused_with_their_rule(gen: Generated, data: st.DataOb
 
 @SETTINGS
 @given(capture_orders(strict=True), st.data())
-def test_late_wgrad_is_refused_by_strict_rule_and_te_parse(gen: Generated, data: st.DataObject) -> None:
+def test_late_wgrad_is_refused_by_strict_rule_and_te_parse(
+    gen: Generated, data: st.DataObject
+) -> None:
     # Move a wgrad past its chunk's next dgrad: a legal order, but not Megatron's nor TE's.
     entries = list(gen.entries)
     candidates = [

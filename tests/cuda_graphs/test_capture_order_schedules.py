@@ -35,7 +35,10 @@ def compute_actions(schedule_cls: type, rank: int, ranks: int, microbatches: int
 
 def expected_stages(schedule_cls: type, rank: int, ranks: int) -> tuple[int, int]:
     if schedule_cls is schedules.ScheduleZBVZeroBubble:
-        return (rank, 2 * ranks - 1 - rank)  # the "V": a rank holds the first and the mirrored stage
+        return (
+            rank,
+            2 * ranks - 1 - rank,
+        )  # the "V": a rank holds the first and the mirrored stage
     return (rank, rank + ranks)
 
 
@@ -142,7 +145,9 @@ def test_from_schedule_errors() -> None:
     with pytest.raises(TypeError, match="no per-rank action list"):
         CaptureOrder.from_schedule(object(), 0)
     with pytest.raises(ValueError, match="rank 5"):
-        CaptureOrder.from_schedule_class(schedules.ScheduleZBVZeroBubble, rank=5, ranks=2, microbatches=4)
+        CaptureOrder.from_schedule_class(
+            schedules.ScheduleZBVZeroBubble, rank=5, ranks=2, microbatches=4
+        )
 
 
 _REAL_STAGES = textwrap.dedent(

@@ -34,7 +34,9 @@ def _sin_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("ownership", ["auto", "always"])
 @pytest.mark.parametrize("fn", [_sin, _sin_mul], ids=["one input", "two inputs"])
-def test_create_graph_backward_matches_upstream(fn: Callable[..., torch.Tensor], ownership: str) -> None:
+def test_create_graph_backward_matches_upstream(
+    fn: Callable[..., torch.Tensor], ownership: str
+) -> None:
     # With create_graph=True and incoming gradients that require grad,
     # upstream's once_differentiable backward returns its gradients through a
     # DelayedError node: first-order gradients are right, and differentiating

@@ -40,7 +40,9 @@ def _capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
 
 def _model_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
+    ).double()
     return model, torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
 
 
@@ -88,13 +90,13 @@ def test_capture_undoes_writes_to_preexisting_memory_only() -> None:
     before = [t.clone() for t in (a, b, c, *listed)]
 
     def body() -> torch.Tensor:
-        a.add_(1)                      # in place
-        a[1:3].mul_(5)                 # through a view
-        torch.add(b, 2, out=b)         # out=
-        c.data.copy_(torch.ones(2))    # through .data
+        a.add_(1)  # in place
+        a[1:3].mul_(5)  # through a view
+        torch.add(b, 2, out=b)  # out=
+        c.data.copy_(torch.ones(2))  # through .data
         torch._foreach_add_(listed, 1.0)  # a list written in place
         fresh = torch.zeros(2)
-        fresh.add_(7)                  # the graph's own memory
+        fresh.add_(7)  # the graph's own memory
         return fresh
 
     g, fresh = _capture(body)
@@ -167,7 +169,9 @@ REFUSED: dict[str, Callable[[], object]] = {
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_capture_refuses_what_a_gpu_capture_refuses(name: str) -> None:
     g = torch.cuda.CUDAGraph()
-    with pytest.raises(CUDA_ERROR, match="operation failed due to a previous error during capture") as failed:
+    with pytest.raises(
+        CUDA_ERROR, match="operation failed due to a previous error during capture"
+    ) as failed:
         with torch.cuda.graph(g):
             REFUSED[name]()
     refused = failed.value.__context__
@@ -193,7 +197,7 @@ def test_what_a_gpu_capture_allows_still_captures() -> None:
 
     def body() -> tuple[torch.Tensor, ...]:
         y = x.clone()
-        y[y < 0] = 0.0                           # torch turns this into masked_fill_
+        y[y < 0] = 0.0  # torch turns this into masked_fill_
         z = torch.where(x > 0, x, torch.zeros_like(x))
         r = torch.repeat_interleave(x, torch.tensor([1, 1, 2]), output_size=4)
         return y, z, r, x.to(x.device)
@@ -330,8 +334,12 @@ def test_upstream_make_graphed_callables_matches_eager_fp64(microbatches: int) -
     # tuple), with .grad kept allocated so its static-buffer hazard (H3) is
     # out of play: outputs and accumulated gradients equal plain autograd.
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
-    graphed_module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    eager = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+    ).double()
+    graphed_module = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+    ).double()
     graphed_module.load_state_dict(eager.state_dict())
     before = {k: v.clone() for k, v in graphed_module.state_dict().items()}
     sample = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)

@@ -23,8 +23,13 @@ class _ReplayForbidden:
         raise AssertionError("the structure probe replayed a graph")
 
 
-def _stand_in(*, leading: bool = False, extra_slot: bool = False, leading_grad: bool = False,
-              closes_over_buffers: bool = True) -> Any:
+def _stand_in(
+    *,
+    leading: bool = False,
+    extra_slot: bool = False,
+    leading_grad: bool = False,
+    closes_over_buffers: bool = True,
+) -> Any:
     """A make_graphed_callables look-alike for one callable of one tensor input."""
 
     def make(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -53,6 +58,7 @@ def _stand_in(*, leading: bool = False, extra_slot: bool = False, leading_grad: 
             backward = staticmethod(once_differentiable(body if closes_over_buffers else opaque))
 
         if leading:
+
             def forward(ctx: Any, graphs: Any, *inputs: torch.Tensor) -> torch.Tensor:
                 return inputs[0] * 3
 
@@ -62,6 +68,7 @@ def _stand_in(*, leading: bool = False, extra_slot: bool = False, leading_grad: 
             def functionalized(*user_args: Any) -> Any:
                 return Graphed.apply(graphs, *user_args)
         else:
+
             def functionalized(*user_args: Any) -> Any:
                 return Graphed.apply(*user_args)
 
@@ -95,10 +102,17 @@ def test_recognised_shapes_are_accepted_and_work(
         (dict(leading=True, leading_grad=True), "leading non-tensor argument"),
         (dict(closes_over_buffers=False), "does not close over static_grad_outputs"),
     ],
-    ids=["extra slot", "extra slot after leading None", "gradient for the graphs tuple", "opaque backward"],
+    ids=[
+        "extra slot",
+        "extra slot after leading None",
+        "gradient for the graphs tuple",
+        "opaque backward",
+    ],
 )
 def test_altered_structure_fails_when_made(
-    monkeypatch: pytest.MonkeyPatch, sample: tuple[torch.Tensor], alteration: dict[str, bool],
+    monkeypatch: pytest.MonkeyPatch,
+    sample: tuple[torch.Tensor],
+    alteration: dict[str, bool],
     message: str,
 ) -> None:
     monkeypatch.setattr(torch.cuda.graphs, "make_graphed_callables", _stand_in(**alteration))

@@ -32,10 +32,16 @@ def _fates_during(run: Any) -> list[str]:
 
 def test_leaf_fate_and_backward_kind() -> None:
     assert _fates_during(lambda f, x, p: f().backward()) == ["accumulated", "accumulating"]
-    assert _fates_during(lambda f, x, p: f().backward(inputs=[p])) == ["accumulated", "accumulating"]
+    assert _fates_during(lambda f, x, p: f().backward(inputs=[p])) == [
+        "accumulated",
+        "accumulating",
+    ]
     assert _fates_during(lambda f, x, p: f().backward(inputs=[x])) == ["discarded", "not shown"]
     assert _fates_during(lambda f, x, p: torch.autograd.grad(f(), [p])) == ["captured", "not shown"]
-    assert _fates_during(lambda f, x, p: torch.autograd.grad(f(), [x])) == ["discarded", "not shown"]
+    assert _fates_during(lambda f, x, p: torch.autograd.grad(f(), [x])) == [
+        "discarded",
+        "not shown",
+    ]
 
 
 def test_tensor_hooks_are_visible() -> None:

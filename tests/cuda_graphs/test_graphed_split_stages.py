@@ -92,7 +92,10 @@ class _MatmulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
         x, w = ctx.saved_tensors
-        return (g @ w.t() if ctx.needs_input_grad[0] else None, x.t() @ g if ctx.needs_input_grad[1] else None)
+        return (
+            g @ w.t() if ctx.needs_input_grad[0] else None,
+            x.t() @ g if ctx.needs_input_grad[1] else None,
+        )
 
 
 class CustomFunction(torch.nn.Module):
@@ -128,10 +131,14 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 class Run:
     """One rank's step data: inputs and output gradients per (chunk, microbatch, step)."""
 
-    def __init__(self, env: Env, order: CaptureOrder, model: type[torch.nn.Module], steps: int) -> None:
+    def __init__(
+        self, env: Env, order: CaptureOrder, model: type[torch.nn.Module], steps: int
+    ) -> None:
         self.env, self.order, self.steps = env, order, steps
         self.modules = [model().to(env.device) for _ in order.chunks]
-        self.sample_out = [_outputs(m(torch.zeros(ROWS, WIDTH, dtype=D, device=env.device))) for m in self.modules]
+        self.sample_out = [
+            _outputs(m(torch.zeros(ROWS, WIDTH, dtype=D, device=env.device))) for m in self.modules
+        ]
         self.x: dict[tuple[int, int, int], torch.Tensor] = {}
         self.g: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         for s in range(steps):
@@ -146,7 +153,9 @@ class Run:
             for _ in self.order.chunks
         ]
 
-    def fused(self, modules: list[torch.nn.Module], step: int) -> dict[tuple[int, int], torch.Tensor]:
+    def fused(
+        self, modules: list[torch.nn.Module], step: int
+    ) -> dict[tuple[int, int], torch.Tensor]:
         """Plain autograd: one backward per microbatch; returns input gradients."""
         dx = {}
         for c in self.order.chunks:
@@ -156,7 +165,9 @@ class Run:
                 dx[(c, m)] = x.grad
         return dx
 
-    def eager_split(self, modules: list[torch.nn.Module], step: int) -> dict[tuple[int, int], torch.Tensor]:
+    def eager_split(
+        self, modules: list[torch.nn.Module], step: int
+    ) -> dict[tuple[int, int], torch.Tensor]:
         """gradsafe's eager split backward, in the order's sequence."""
         held: dict[tuple[int, int], Any] = {}
         dx = {}
@@ -175,7 +186,9 @@ class Run:
                 stage_backward_weight(params, held.pop(key))
         return dx
 
-    def graphed(self, stages: GraphedSplitStages, step: int, dgrad: str = "grad") -> dict[tuple[int, int], torch.Tensor]:
+    def graphed(
+        self, stages: GraphedSplitStages, step: int, dgrad: str = "grad"
+    ) -> dict[tuple[int, int], torch.Tensor]:
         held: dict[tuple[int, int], Any] = {}
         dx = {}
         for e in self.order:
@@ -197,7 +210,9 @@ class Run:
 
 def _assert_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
     assert got is not None and want is not None, what
-    assert torch.allclose(got, want, atol=TOL, rtol=0), f"{what}: max diff {(got - want).abs().max()}"
+    assert torch.allclose(got, want, atol=TOL, rtol=0), (
+        f"{what}: max diff {(got - want).abs().max()}"
+    )
 
 
 def _assert_param_grads(a: list[torch.nn.Module], b: list[torch.nn.Module], what: str) -> None:
@@ -213,7 +228,9 @@ class HookCounter:
         self.tensor: dict[int, int] = {}
         self.post: dict[int, int] = {}
         self.node: dict[int, int] = {}
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept gradient, its value when seen)
+        self.kept: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # (kept gradient, its value when seen)
         self.params = [p for m in modules for p in m.parameters()]
         for p in self.params:
             key = id(p)
@@ -233,7 +250,9 @@ class HookCounter:
         for table in (self.tensor, self.post, self.node):
             assert [table.get(id(p), 0) for p in self.params] == [times] * len(self.params)
         for kept, seen in self.kept:
-            assert torch.equal(kept, seen), "a gradient a hook kept was overwritten by a later replay"
+            assert torch.equal(kept, seen), (
+                "a gradient a hook kept was overwritten by a later replay"
+            )
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -245,7 +264,9 @@ def test_equals_fused_and_eager_split(env: Env, model: str, order_name: str) -> 
     split = copy.deepcopy(run.modules)
     stages = make_graphed_split_callables(run.modules, run.sample_args(), order)
     hooks = HookCounter(run.modules)
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # input gradients of earlier steps, and their values
+    kept: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ] = []  # input gradients of earlier steps, and their values
     for step in range(run.steps):
         for mods in (fused, split, run.modules):
             for mod in mods:
@@ -257,7 +278,9 @@ def test_equals_fused_and_eager_split(env: Env, model: str, order_name: str) -> 
             _assert_close(got[key], want[key], f"step {step} input grad {key}")
             _assert_close(eager[key], want[key], f"step {step} eager input grad {key}")
         for held, value in kept:
-            assert torch.equal(held, value), "an input gradient returned earlier was overwritten by a replay"
+            assert torch.equal(held, value), (
+                "an input gradient returned earlier was overwritten by a replay"
+            )
         kept += [(g, g.clone()) for g in got.values()]
         _assert_param_grads(run.modules, fused, f"step {step} vs fused")
         _assert_param_grads(run.modules, split, f"step {step} vs eager split")
@@ -426,7 +449,9 @@ def test_capture_time_refusals(env: Env) -> None:
     with pytest.raises(ValueError, match=r"chunks \[1\] have no wgrad"):
         make_graphed_split_callables(fresh.modules, fresh.sample_args(), undelayed)
     with pytest.raises(ValueError, match="must be 0..2"):
-        make_graphed_split_callables([*fresh.modules, Nested()], [*fresh.sample_args(), *fresh.sample_args()[:1]], order)
+        make_graphed_split_callables(
+            [*fresh.modules, Nested()], [*fresh.sample_args(), *fresh.sample_args()[:1]], order
+        )
     with pytest.raises(TypeError, match="nn.Module"):
         make_graphed_split_callables([fresh.modules[0], torch.tanh], fresh.sample_args(), order)  # type: ignore[list-item]
 

@@ -160,4 +160,3 @@ def prefix_strategy(request: pytest.FixtureRequest) -> Iterator[PrefixInstall]:
             for op, value in saved["single_dim"].items():
                 _set(single, op, value)  # type: ignore[arg-type]
         _torch.clear_sharding_caches()
-

@@ -92,7 +92,9 @@ def _model() -> torch.nn.Sequential:
     return torch.nn.Sequential(_TransposedUse(8, 6), _TransposedUse(6, 4))
 
 
-def _fsdp_step(rank: int, world_size: int, x: torch.Tensor) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+def _fsdp_step(
+    rank: int, world_size: int, x: torch.Tensor
+) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -116,8 +118,12 @@ def _fsdp(rank: int, world_size: int) -> list[dict[str, object]]:
     upstream_counts, upstream_grads = _fsdp_step(rank, world_size, x)
     with gradsafe.patch("dtensor"):
         counts, grads = _fsdp_step(rank, world_size, x)
-    fsdp_own = {"c10d._allgather_base_", "c10d._reduce_scatter_base_",
-                "c10d.allgather_into_tensor_coalesced_", "c10d.reduce_scatter_tensor_coalesced_"}
+    fsdp_own = {
+        "c10d._allgather_base_",
+        "c10d._reduce_scatter_base_",
+        "c10d.allgather_into_tensor_coalesced_",
+        "c10d.reduce_scatter_tensor_coalesced_",
+    }
     results = [
         {
             "id": "fsdp2-collectives",
@@ -129,7 +135,11 @@ def _fsdp(rank: int, world_size: int) -> list[dict[str, object]]:
         err = float((grad - want[name]).abs().max())
         up_err = float((upstream_grads[name] - want[name]).abs().max())
         results.append(
-            {"id": f"fsdp2-grad-{name}", "ok": err < 1e-5, "detail": f"max |err| {err:.3g} (upstream {up_err:.3g})"}
+            {
+                "id": f"fsdp2-grad-{name}",
+                "ok": err < 1e-5,
+                "detail": f"max |err| {err:.3g} (upstream {up_err:.3g})",
+            }
         )
     return results
 

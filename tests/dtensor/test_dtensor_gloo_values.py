@@ -44,7 +44,9 @@ def _launch(world_size: int, job: str, out_dir: Path) -> dict[str, tuple[bool, s
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], dict[str, tuple[bool, str]]]:
+def results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[int, str], dict[str, tuple[bool, str]]]:
     found = {}
     for world_size, job in ((2, "values+fsdp"), (4, "values")):
         out_dir = tmp_path_factory.mktemp(f"gloo{world_size}{job}")
@@ -55,14 +57,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], d
 VALUE_IDS = [(2, c.id) for c in value_cases(2)] + [(4, c.id) for c in value_cases(4)]
 
 
-@pytest.mark.parametrize("world_size,case_id", VALUE_IDS, ids=[f"{w}ranks-{i}" for w, i in VALUE_IDS])
+@pytest.mark.parametrize(
+    "world_size,case_id", VALUE_IDS, ids=[f"{w}ranks-{i}" for w, i in VALUE_IDS]
+)
 def test_values_match_plain_reference(results, world_size: int, case_id: str) -> None:
     job = "values+fsdp" if world_size == 2 else "values"
     ok, detail = results[(world_size, job)][case_id]
     assert ok, detail
 
 
-@pytest.mark.parametrize("check", ["fsdp2-collectives", "fsdp2-grad-0.weight", "fsdp2-grad-1.weight"])
+@pytest.mark.parametrize(
+    "check", ["fsdp2-collectives", "fsdp2-grad-0.weight", "fsdp2-grad-1.weight"]
+)
 def test_fully_shard_transposed_weight(results, check: str) -> None:
     ok, detail = results[(2, "values+fsdp")][check]
     assert ok, detail

@@ -114,7 +114,9 @@ def _thread_before_and_after(mesh, make_patch) -> tuple[SeedResult, list[SeedRes
     return before_patch[0], after_patch
 
 
-def test_patch_after_another_threads_backward_reaches_that_thread(fake_meshes, prefix_strategy) -> None:
+def test_patch_after_another_threads_backward_reaches_that_thread(
+    fake_meshes, prefix_strategy
+) -> None:
     """The other thread keeps its cached pre-fix decision torch-side (per-thread caches);
     its first backward after the patch must still be right, not a silent all-reduce."""
     before, after = _thread_before_and_after(

@@ -25,7 +25,9 @@ ALL_REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 def _spec(mesh: DeviceMesh, placements, shape=(4, 8)) -> DTensorSpec:  # type: ignore[no-untyped-def]
     stride = torch.empty(shape).stride()
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, torch.float32))
+    return DTensorSpec(
+        mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, torch.float32)
+    )
 
 
 def _chosen(rule: FollowRule, op, spec: DTensorSpec, shape) -> tuple[object, ...]:  # type: ignore[no-untyped-def]
@@ -122,7 +124,9 @@ def test_plan_follows_the_probed_accumulation() -> None:
     found = _needing_the_patch(probe_propagator().accumulating_reduce_ops)
     plan = _patch.plan_for(found)
     assert not isinstance(plan, Skip)
-    strategies = {t.replacement for t in plan if isinstance(t.replacement, _torch.EmptyFactoryStrategy)}
+    strategies = {
+        t.replacement for t in plan if isinstance(t.replacement, _torch.EmptyFactoryStrategy)
+    }
     assert strategies == {
         _torch.EmptyFactoryStrategy(
             FollowRule(
@@ -161,12 +165,18 @@ def test_after_change_clears_python_and_native_caches(fake_meshes) -> None:
 
 @pytest.mark.parametrize("reduce_op", ["sum", "avg", "max", "min"])
 @pytest.mark.parametrize("op", _torch.EMPTY_FACTORIES, ids=str)
-def test_fresh_partial_destination_copy_does_not_communicate(fake_meshes, prefix_strategy, op, reduce_op) -> None:  # type: ignore[no-untyped-def]
+def test_fresh_partial_destination_copy_does_not_communicate(
+    fake_meshes, prefix_strategy, op, reduce_op
+) -> None:  # type: ignore[no-untyped-def]
     """With every reduce op kept, copy_ of a Partial source into the fresh tensor is local."""
     grad = DTensor.from_local(torch.randn(8, 4).t(), fake_meshes[1], [Partial(reduce_op)])
     plan = _patch.plan_for(_needing_the_patch(tuple(ALL_REDUCE_OPS)))
     with applied(plan), CollectiveCounter() as comm:
-        fresh = grad.new_empty_strided((4, 8), (8, 1)) if op is NEW_EMPTY_STRIDED else grad.new_empty((4, 8))
+        fresh = (
+            grad.new_empty_strided((4, 8), (8, 1))
+            if op is NEW_EMPTY_STRIDED
+            else grad.new_empty((4, 8))
+        )
         fresh.copy_(grad)
     assert comm.total == 0
     assert fresh.placements == (Partial(reduce_op),)
@@ -187,7 +197,9 @@ def test_patch_skips_when_copy_would_communicate(prefix_strategy) -> None:
         dst, src = op_schema.args_schema[0], op_schema.args_schema[1]
         replicate = DTensorSpec(dst.mesh, (Replicate(),) * dst.mesh.ndim)
         cost = [[1.0] * len(dst.strategies), [1.0] * len(src.strategies)]
-        return OpStrategy([OpSpec(replicate, input_specs=(replicate, replicate), redistribute_cost=cost)])
+        return OpStrategy(
+            [OpSpec(replicate, input_specs=(replicate, replicate), redistribute_cost=cost)]
+        )
 
     copy = aten.copy_.default
     table, single = _torch.op_strategy_table(), _torch.single_dim_strategy_table()

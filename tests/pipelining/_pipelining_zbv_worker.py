@@ -83,7 +83,11 @@ def reference(dp: int = 1) -> dict[str, torch.Tensor]:
                     h = m(h)
                 (loss_fn(h, ym) / (MICROBATCHES * dp)).backward()
         opt.step()
-    return {f"{i}.{n}": p.detach().clone() for i, m in enumerate(modules) for n, p in m.named_parameters()}
+    return {
+        f"{i}.{n}": p.detach().clone()
+        for i, m in enumerate(modules)
+        for n, p in m.named_parameters()
+    }
 
 
 def _wrap(module: nn.Module, wrapper: str, own_group: Any, allreduces: list[int]) -> nn.Module:
@@ -194,7 +198,9 @@ def main() -> None:
         result["hooks"] = counts
         result["allreduces"] = allreduces
     except Exception as exc:  # the upstream run is expected to fail; report, don't hang
-        result["crash"] = f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-2000:]
+        result["crash"] = (
+            f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-2000:]
+        )
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     if "crash" in result:
         os._exit(1)  # close the sockets so the peer fails fast instead of waiting on a recv

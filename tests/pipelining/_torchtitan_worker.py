@@ -119,7 +119,11 @@ def microbatches(dp_rank: int, vocab: int, batch: int, seq_len: int) -> list[tor
 
 
 def config(
-    pp: int, dp: int, selective_ac: bool, reshard: str, dump_folder: str,
+    pp: int,
+    dp: int,
+    selective_ac: bool,
+    reshard: str,
+    dump_folder: str,
     schedule: str = "ZBVZeroBubble",
 ) -> Any:
     """``llama3_debugmodel()`` as torchtitan ships it, changed only where this test must.
@@ -195,12 +199,23 @@ def _without_fsdp() -> None:
 
 
 def train(
-    rank: int, port: str, mode: str, pp: int, dp: int, ac: str, reshard: str, fsdp: str,
-    schedule: str, outdir: str,
+    rank: int,
+    port: str,
+    mode: str,
+    pp: int,
+    dp: int,
+    ac: str,
+    reshard: str,
+    fsdp: str,
+    schedule: str,
+    outdir: str,
 ) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp * dp),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(pp * dp),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
     )
     result: dict[str, Any] = {"steps": []}
     try:
@@ -236,7 +251,9 @@ def train(
             trainer.train()
         trainer.close()
     except Exception as exc:  # the upstream run may fail; report, don't hang
-        result["crash"] = f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-3000:]
+        result["crash"] = (
+            f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-3000:]
+        )
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     if "crash" in result:
         os._exit(1)  # close the sockets so the peers fail fast instead of waiting on a recv
@@ -270,9 +287,12 @@ def reference(outdir: str, ranks: int, dp: int) -> None:
             for m in range(MICROBATCHES):
                 tokens = data[d][step * MICROBATCHES + m]
                 logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum"
-                ) / tokens_per_step
+                loss = (
+                    torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum"
+                    )
+                    / tokens_per_step
+                )
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
         out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})

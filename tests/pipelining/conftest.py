@@ -33,7 +33,10 @@ def check_split(
     loss: bool = False,
     seed: int = 0,
     atol: float = 1e-9,
-    split: tuple[Callable[..., Any], Callable[..., Any]] = (stage_backward_input, stage_backward_weight),
+    split: tuple[Callable[..., Any], Callable[..., Any]] = (
+        stage_backward_input,
+        stage_backward_weight,
+    ),
 ) -> Any:
     """Run ``make``'s forward twice: fused reference, then B and W; assert equal grads.
 
@@ -72,7 +75,9 @@ def check_split(
     assert all(p.grad is None for p in module.parameters()), "B touched a parameter's .grad"
     backward_weight(module.parameters(), handoff)
 
-    got_inputs = [d for d, v in zip(dinputs, inputs) if isinstance(v, torch.Tensor) and v.requires_grad]
+    got_inputs = [
+        d for d, v in zip(dinputs, inputs) if isinstance(v, torch.Tensor) and v.requires_grad
+    ]
     for i, (want, got) in enumerate(zip(ref_inputs, got_inputs)):
         _assert_close(f"input {i}", want, got, atol)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -81,7 +86,9 @@ def check_split(
     return handoff
 
 
-def _assert_close(what: str, want: torch.Tensor | None, got: torch.Tensor | None, atol: float) -> None:
+def _assert_close(
+    what: str, want: torch.Tensor | None, got: torch.Tensor | None, atol: float
+) -> None:
     if want is None or not want.abs().max() > 0:
         assert got is None or not got.abs().max() > atol, f"{what}: expected no gradient, got {got}"
         return

@@ -75,7 +75,9 @@ def _hook_all(params, counts: Counts) -> list:  # type: ignore[no-untyped-def]
     handles = []
     for name, p in params:
         handles.append(p.register_hook(functools.partial(_scale, counts, f"tensor:{name}")))
-        handles.append(p.register_post_accumulate_grad_hook(lambda t, n=name: counts.hit(f"post:{n}")))
+        handles.append(
+            p.register_post_accumulate_grad_hook(lambda t, n=name: counts.hit(f"post:{n}"))
+        )
     handles.append(
         torch.autograd.graph.register_multi_grad_hook(
             [p for _, p in params], lambda gs: counts.hit("multi"), mode="all"
@@ -329,7 +331,9 @@ def test_donated_buffers_are_a_clear_error_at_b() -> None:
     for p in (x, *module.parameters()):
         p.grad = None
     out = module(x)
-    with pytest.raises(SplitBackwardError, match=r"torch\._functorch\.config\.donated_buffer = False"):
+    with pytest.raises(
+        SplitBackwardError, match=r"torch\._functorch\.config\.donated_buffer = False"
+    ):
         stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
     assert x.grad is None and all(p.grad is None for p in module.parameters())
 
@@ -431,7 +435,9 @@ class _Scale(torch.autograd.Function):
         return g * 1.5 + 0 * w
 
 
-def _backward(loss: torch.Tensor, x: torch.Tensor, params: list[nn.Parameter], split: bool) -> list[torch.Tensor | None]:
+def _backward(
+    loss: torch.Tensor, x: torch.Tensor, params: list[nn.Parameter], split: bool
+) -> list[torch.Tensor | None]:
     if split:
         (dx,), handoff = stage_backward_input(loss, None, [x], params)
         stage_backward_weight(params, handoff)
@@ -479,9 +485,13 @@ def _dropconnect(split: bool) -> list[torch.Tensor | None]:
     torch.manual_seed(0)
     u = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
-    h = checkpoint(lambda a: F.dropout(a.sin(), 0.5), x, use_reentrant=False, preserve_rng_state=False)
+    h = checkpoint(
+        lambda a: F.dropout(a.sin(), 0.5), x, use_reentrant=False, preserve_rng_state=False
+    )
     # A checkpointed weight-only region with dropout (DropConnect-style), created after `h`'s.
-    wd = checkpoint(lambda b: F.dropout(b * 1.0, 0.5), u, use_reentrant=False, preserve_rng_state=False)
+    wd = checkpoint(
+        lambda b: F.dropout(b * 1.0, 0.5), u, use_reentrant=False, preserve_rng_state=False
+    )
     loss = (h @ wd).pow(2).sum()
     torch.manual_seed(1)  # the same RNG state at the start of both backwards
     return _backward(loss, x, [u], split)
@@ -502,7 +512,9 @@ def test_weight_only_checkpointed_dropout_sees_the_fused_masks() -> None:
         torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
 
 
-def _in_place_on_a_view_in_a_region(split: bool, dropout: bool) -> tuple[int, list[torch.Tensor | None]]:
+def _in_place_on_a_view_in_a_region(
+    split: bool, dropout: bool
+) -> tuple[int, list[torch.Tensor | None]]:
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
@@ -562,7 +574,9 @@ int64_t calls() { return backward_calls; }
 """
 
 
-def _cpp_matmul_stage(ext, split: bool, checkpointed: bool) -> tuple[int, int, list[torch.Tensor | None]]:  # type: ignore[no-untyped-def]
+def _cpp_matmul_stage(
+    ext, split: bool, checkpointed: bool
+) -> tuple[int, int, list[torch.Tensor | None]]:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
@@ -600,7 +614,9 @@ def test_cpp_custom_function_backward_runs_once(checkpointed: bool) -> None:
     """
     from torch.utils.cpp_extension import load_inline
 
-    ext = load_inline("gradsafe_test_cpp_matmul", cpp_sources=_CPP_MATMUL, functions=["matmul", "calls"])
+    ext = load_inline(
+        "gradsafe_test_cpp_matmul", cpp_sources=_CPP_MATMUL, functions=["matmul", "calls"]
+    )
     fused_runs, fused_calls, fused = _cpp_matmul_stage(ext, split=False, checkpointed=checkpointed)
     split_runs, split_calls, split = _cpp_matmul_stage(ext, split=True, checkpointed=checkpointed)
     for f, s in zip(fused, split):

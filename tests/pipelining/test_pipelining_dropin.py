@@ -23,7 +23,9 @@ def test_b_patched_then_w_unpatched_names_the_cause() -> None:
     with gradsafe.patch("pipelining") as handle:
         if "pipelining" not in handle.names:
             pytest.skip(f"pipelining patch skipped here: {gradsafe.status()['pipelining'].skipped}")
-        _, handoff = backward.stage_backward_input([out], [torch.ones(3, 4)], [x], model.parameters())
+        _, handoff = backward.stage_backward_input(
+            [out], [torch.ones(3, 4)], [x], model.parameters()
+        )
     with pytest.raises(RuntimeError, match=r"gradsafe\.patch"):
         backward.stage_backward_weight(model.parameters(), handoff)
     assert all(p.grad is None for p in model.parameters())

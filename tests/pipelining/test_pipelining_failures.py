@@ -80,13 +80,30 @@ def test_wrong_types_are_refused_before_anything_runs() -> None:
     out = model(x)
     rec = Recorder(model)
     cases: list[tuple[Any, str]] = [
-        (lambda: stage_backward_input([out], [torch.ones(3, 4)], x, model.parameters()), "tuple or list"),
-        (lambda: stage_backward_input([out], [torch.ones(3, 4)], [x], [*model.parameters(), 3]), r"weights\[4\] is a int"),
+        (
+            lambda: stage_backward_input([out], [torch.ones(3, 4)], x, model.parameters()),
+            "tuple or list",
+        ),
+        (
+            lambda: stage_backward_input([out], [torch.ones(3, 4)], [x], [*model.parameters(), 3]),
+            r"weights\[4\] is a int",
+        ),
         (lambda: stage_backward_input([out], ["grad"], [x], model.parameters()), "is a str"),
         (lambda: stage_backward_input({out}, None, [x], model.parameters()), "is a set"),
-        (lambda: stage_backward_input([out], [torch.ones(4, 3)], [x], model.parameters()), r"shape \(3, 4\).*\(4, 3\)"),
-        (lambda: stage_backward_input([out], [None], [x], model.parameters()), "can only be implied"),
-        (lambda: stage_backward_input({"a": out}, {"b": torch.ones(3, 4)}, [x], model.parameters()), "same keys"),
+        (
+            lambda: stage_backward_input([out], [torch.ones(4, 3)], [x], model.parameters()),
+            r"shape \(3, 4\).*\(4, 3\)",
+        ),
+        (
+            lambda: stage_backward_input([out], [None], [x], model.parameters()),
+            "can only be implied",
+        ),
+        (
+            lambda: stage_backward_input(
+                {"a": out}, {"b": torch.ones(3, 4)}, [x], model.parameters()
+            ),
+            "same keys",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(SplitBackwardError, match=message):
@@ -105,7 +122,9 @@ def test_leaf_outside_weights_is_named_before_anything_runs() -> None:
     stray = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(3, 4, requires_grad=True)
     out = model(x) @ stray
-    with pytest.raises(SplitBackwardError, match=r"leaf tensor of shape \(4, 4\).*neither a stage input"):
+    with pytest.raises(
+        SplitBackwardError, match=r"leaf tensor of shape \(4, 4\).*neither a stage input"
+    ):
         stage_backward_input([out], [torch.ones(3, 4)], [x], model.parameters())
     assert x.grad is None and stray.grad is None
 
@@ -114,7 +133,9 @@ def test_parameter_passed_as_stage_input_is_refused() -> None:
     model = _model()
     weight = model[0].weight
     out = model(torch.randn(3, 4)) + weight.sum()
-    with pytest.raises(SplitBackwardError, match=r"input_values\[0\] is also one of the stage's parameters"):
+    with pytest.raises(
+        SplitBackwardError, match=r"input_values\[0\] is also one of the stage's parameters"
+    ):
         stage_backward_input([out], [torch.ones(3, 4)], [weight], model.parameters())
     assert weight.grad is None
 
@@ -145,7 +166,8 @@ def test_weight_only_subgraph_shared_by_two_microbatches() -> None:
     want = torch.autograd.grad([(x @ effective).sum() for x in xs], [w], retain_graph=True)[0]
     rec = Recorder(holder)
     handoffs = [
-        stage_backward_input([x @ effective], [torch.ones(3, 4)], [x], holder.parameters())[1] for x in xs
+        stage_backward_input([x @ effective], [torch.ones(3, 4)], [x], holder.parameters())[1]
+        for x in xs
     ]
     for handoff in handoffs:
         stage_backward_weight(holder.parameters(), handoff, retain_graph=False)
@@ -223,7 +245,9 @@ def test_in_place_weight_use_on_a_non_leaf_input_is_refused() -> None:
     x = base * 1  # a non-leaf stage input (the previous stage's graph behind it)
     x.mul_(w)  # inside the stage: x's grad_fn is now the in-place node
     out = torch.tanh(x)
-    with pytest.raises(SplitBackwardError, match=r"input_values\[0\] was modified in place.*MulBackward0"):
+    with pytest.raises(
+        SplitBackwardError, match=r"input_values\[0\] was modified in place.*MulBackward0"
+    ):
         stage_backward_input([out], [torch.ones(3, 4)], [x], holder.parameters())
     assert w.grad is None and base.grad is None
     # Cloning first, as the message says, is exact.
@@ -231,7 +255,9 @@ def test_in_place_weight_use_on_a_non_leaf_input_is_refused() -> None:
     y = x.clone()
     y.mul_(w)
     want = torch.autograd.grad(torch.tanh(y).sum(), [x, w], retain_graph=True)
-    (dx,), handoff = stage_backward_input([torch.tanh(y)], [torch.ones(3, 4)], [x], holder.parameters())
+    (dx,), handoff = stage_backward_input(
+        [torch.tanh(y)], [torch.ones(3, 4)], [x], holder.parameters()
+    )
     stage_backward_weight(holder.parameters(), handoff)
     torch.testing.assert_close(dx, want[0])
     torch.testing.assert_close(w.grad, want[1])

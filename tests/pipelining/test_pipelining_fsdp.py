@@ -27,4 +27,6 @@ def test_sharded_in_b_unsharded_in_w_exact_and_stray_parameter_named(tmp_path: P
     found = torch.load(out, weights_only=False)
     assert found["B sees"] == "DTensor" and found["W sees"] != "DTensor", found
     assert found["max error"] < 1e-12, found
-    assert "leaf tensor" not in found["stray"] and "parameter of shape (4, 4)" in found["stray"], found
+    assert "leaf tensor" not in found["stray"] and "parameter of shape (4, 4)" in found["stray"], (
+        found
+    )

@@ -39,7 +39,10 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
 
 
 def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
+    )
 
 
 def test_w_without_b() -> None:
@@ -77,7 +80,9 @@ def test_torch_param_groups_are_refused() -> None:
 
     model = _model()
     x = torch.randn(3, 4, requires_grad=True)
-    _, groups = upstream.stage_backward_input([model(x)], [torch.ones(3, 4)], [x], model.parameters())
+    _, groups = upstream.stage_backward_input(
+        [model(x)], [torch.ones(3, 4)], [x], model.parameters()
+    )
     with pytest.raises(SplitBackwardError, match="torch's own param_groups"):
         stage_backward_weight(model.parameters(), groups)  # type: ignore[arg-type]
     assert all(p.grad is None for p in model.parameters())
@@ -100,7 +105,9 @@ def test_graph_freed_between_b_and_w() -> None:
     _, handoff = stage_backward_input([out], [torch.ones(3, 4)], [x], model.parameters())
     hidden.sum().backward()  # frees the saved tensors W needs (no retain_graph)
     before = _grads(model)
-    with pytest.raises(SplitBackwardError, match="before changing any parameter.s gradient.*saved tensors"):
+    with pytest.raises(
+        SplitBackwardError, match="before changing any parameter.s gradient.*saved tensors"
+    ):
         stage_backward_weight(model.parameters(), handoff)
     assert _same(before, _grads(model))
     assert handoff.state is HandoffState.FAILED
@@ -111,7 +118,9 @@ def test_graph_freed_between_b_and_w() -> None:
 def test_unmatched_output_grads() -> None:
     model = _model()
     x = torch.randn(3, 4, requires_grad=True)
-    with pytest.raises(SplitBackwardError, match="list of 2 but its output gradient is a list of 1"):
+    with pytest.raises(
+        SplitBackwardError, match="list of 2 but its output gradient is a list of 1"
+    ):
         stage_backward_input([model(x), model(x)], [torch.ones(3, 4)], [x], model.parameters())
     with pytest.raises(SplitBackwardError, match="output gradient is None"):
         stage_backward_input([model(x)], [None], [x], model.parameters())
@@ -120,7 +129,9 @@ def test_unmatched_output_grads() -> None:
 def test_everything_held_for_w_is_released_when_w_finishes() -> None:
     gc.disable()  # freed by reference counting, not by the cycle collector
     try:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        model = nn.Sequential(
+            nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)
+        )
         x = torch.randn(3, 4, requires_grad=True)
         hidden = model[1](model[0](x))
         probe = weakref.ref(hidden)
@@ -188,15 +199,24 @@ def test_patch_installs_into_backward_and_stage_modules() -> None:
     from torch.distributed.pipelining import stage as torch_stage
 
     names = ("stage_backward_input", "stage_backward_weight", "stage_backward")
-    originals = {(m.__name__, n): getattr(m, n) for m in (torch_backward, torch_stage) for n in names}
-    ours = {"stage_backward_input": stage_backward_input, "stage_backward_weight": stage_backward_weight, "stage_backward": stage_backward}
+    originals = {
+        (m.__name__, n): getattr(m, n) for m in (torch_backward, torch_stage) for n in names
+    }
+    ours = {
+        "stage_backward_input": stage_backward_input,
+        "stage_backward_weight": stage_backward_weight,
+        "stage_backward": stage_backward,
+    }
     with gradsafe.patch("pipelining") as handle:
         assert handle.names == ("pipelining",)
         for module in (torch_backward, torch_stage):
             for name in names:
                 assert getattr(module, name) is ours[name]
         assert gradsafe.status()["pipelining"].active
-        assert gradsafe.get_original(torch_stage.__name__, "stage_backward_input") is originals[(torch_stage.__name__, "stage_backward_input")]
+        assert (
+            gradsafe.get_original(torch_stage.__name__, "stage_backward_input")
+            is originals[(torch_stage.__name__, "stage_backward_input")]
+        )
     for (module_name, name), original in originals.items():
         module = torch_backward if module_name == torch_backward.__name__ else torch_stage
         assert getattr(module, name) is original
@@ -236,11 +256,14 @@ def test_hazard_reproductions_right_with_gradsafe_wrong_without() -> None:
     for name, check in rows.items():
         assert check.gradsafe().correct is True, name
     # Every installed torch we support gets these wrong on its own (or crashes).
-    for name in ("H1 parameter-only output", "H1 overlapping groups", "H1 hooks in W", "H6 schedule start-up"):
+    for name in (
+        "H1 parameter-only output",
+        "H1 overlapping groups",
+        "H1 hooks in W",
+        "H6 schedule start-up",
+    ):
         outcome = _outcome(rows[name].upstream)
         assert isinstance(outcome, RuntimeError) or outcome.correct is False, name
-
-
 
 
 @pytest.mark.parametrize(

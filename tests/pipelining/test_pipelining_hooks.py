@@ -115,7 +115,9 @@ def test_megatron_style_main_grad_over_microbatches_with_tied_weight() -> None:
     for kind, i in order:
         if kind == "B":
             before = dict(calls)
-            _, handoffs[i] = stage_backward_input([model(xs[i])], [gs[i]], [xs[i]], model.parameters())
+            _, handoffs[i] = stage_backward_input(
+                [model(xs[i])], [gs[i]], [xs[i]], model.parameters()
+            )
             assert calls == before, "a hook fired during B"
         else:
             stage_backward_weight(model.parameters(), handoffs.pop(i))
@@ -136,12 +138,16 @@ def _setup() -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.usefixtures("fp64")
 @pytest.mark.parametrize("mode", ["any", "all"])
-def test_multi_grad_hook_over_weight_and_input_is_refused_before_anything_changes(mode: str) -> None:
+def test_multi_grad_hook_over_weight_and_input_is_refused_before_anything_changes(
+    mode: str,
+) -> None:
     """A fused backward fires it once; B + W would fire it in each pass (mode "any") or
     crash in torch's internals (mode "all", as torch's own B does). Refused at B instead."""
     m, x, g = _setup()
     calls: list[int] = []
-    torch.autograd.graph.register_multi_grad_hook((m.weight, x), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
+    torch.autograd.graph.register_multi_grad_hook(
+        (m.weight, x), lambda grads: calls.append(1), mode=mode
+    )  # type: ignore[arg-type]
     out = m(m(x))
     with pytest.raises(SplitBackwardError, match="register_multi_grad_hook spans a stage input"):
         stage_backward_input([out], [g], [x], m.parameters())
@@ -153,7 +159,9 @@ def test_multi_grad_hook_over_weight_and_input_is_refused_before_anything_change
 def test_multi_grad_hook_over_parameters_only_fires_once(mode: str) -> None:
     m, x, g = _setup()
     calls: list[int] = []
-    torch.autograd.graph.register_multi_grad_hook((m.weight, m.bias), lambda grads: calls.append(1), mode=mode)  # type: ignore[arg-type]
+    torch.autograd.graph.register_multi_grad_hook(
+        (m.weight, m.bias), lambda grads: calls.append(1), mode=mode
+    )  # type: ignore[arg-type]
     m(m(x)).backward(g)
     fused = len(calls)
     calls.clear()
@@ -302,12 +310,16 @@ def _run(forward: Forward, split: bool) -> list[Any]:
 def _assert_same(forward: Forward) -> None:
     fused = _run(forward, split=False)
     split = _run(forward, split=True)
-    assert len(split[3]) == len(fused[3]), f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    assert len(split[3]) == len(fused[3]), (
+        f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
+    )
     for f, s in zip(fused[:3], split[:3]):
         torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
     for f, s in zip(fused[3], split[3]):
         for ft, st in zip(f, s):
-            assert (ft is None) == (st is None), "a hook saw None where a fused backward gives a gradient"
+            assert (ft is None) == (st is None), (
+                "a hook saw None where a fused backward gives a gradient"
+            )
             if ft is not None:
                 torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
 
@@ -337,7 +349,9 @@ def test_hook_on_weight_only_tensor_consumed_by_a_checkpointed_op_runs_once() ->
     run the hook again (w.grad 3x too large).
     """
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         wt = w * 2
         wt.register_hook(lambda t: (calls.append((t.clone(),)), t * 3)[1])
         return checkpoint(lambda a, b: torch.tanh(a @ b), x, wt, use_reentrant=False) @ u
@@ -379,7 +393,9 @@ def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
     capture and again in the delivery, applying its scale twice.
     """
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         wt = w * 2
 
         def register(t: torch.Tensor) -> None:
@@ -480,7 +496,9 @@ def test_hooked_weight_only_tensor_under_offloading() -> None:
     W's engine pass must not run it again.
     """
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         with _offload():
             wt = w * 2
             wt.register_hook(lambda t: (calls.append((t.clone(),)), t * 3)[1])
@@ -498,7 +516,9 @@ def test_tied_weight_under_offloading() -> None:
     message may speak of checkpointed regions the user does not have.
     """
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         with _offload():
             return torch.tanh(x @ w) @ w.t() @ u
 
@@ -546,7 +566,9 @@ def test_parameter_hook_removed_by_another_hook_stays_removed(where: str) -> Non
     hook, a hook that unregisters another) must not be undone by the restore.
     """
 
-    def forward(w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]) -> torch.Tensor:
+    def forward(
+        w: nn.Parameter, u: nn.Parameter, x: torch.Tensor, calls: list[Any]
+    ) -> torch.Tensor:
         handle = w.register_hook(lambda t: (calls.append((t.clone(),)), t * 5)[1])
         if where == "weight-only hook in W":
             wt = w * 2

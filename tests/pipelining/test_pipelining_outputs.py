@@ -55,7 +55,9 @@ def test_nested_dict_tuple_list_outputs_equal_fused() -> None:
     out = model(x)
     grads = _grads_like(out)
     pairs = _pairs(out, grads)
-    want = torch.autograd.grad([o for o, _ in pairs], [x, *model.parameters()], [g for _, g in pairs])
+    want = torch.autograd.grad(
+        [o for o, _ in pairs], [x, *model.parameters()], [g for _, g in pairs]
+    )
     out = model(x)
     dinputs, handoff = stage_backward_input(out, grads, [x], model.parameters())
     stage_backward_weight(model.parameters(), handoff)
@@ -69,7 +71,9 @@ def test_gradient_edge_roots_equal_fused() -> None:
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     out = model(x)
     g1, g2 = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
-    want = torch.autograd.grad([out["main"], out["aux"][0]], [x, *model.parameters()], [g1, g2], allow_unused=True)
+    want = torch.autograd.grad(
+        [out["main"], out["aux"][0]], [x, *model.parameters()], [g1, g2], allow_unused=True
+    )
     out = model(x)
     edges = [get_gradient_edge(out["main"]), get_gradient_edge(out["aux"][0])]
     dinputs, handoff = stage_backward_input(edges, [g1, g2], [x], model.parameters())
@@ -104,11 +108,13 @@ def test_fused_stage_backward_takes_the_same_structures() -> None:
     torch.testing.assert_close(dx, want[0])
 
 
-@pytest.mark.parametrize("bad", [object(), {1, 2}, b"raw".decode] )
+@pytest.mark.parametrize("bad", [object(), {1, 2}, b"raw".decode])
 def test_other_output_types_are_a_clear_error(bad: Any) -> None:
     model = Multi().double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     out = model(x)["main"]
-    with pytest.raises(SplitBackwardError, match=r"stage output \[1\] is a .*B takes Tensors, GradientEdges"):
+    with pytest.raises(
+        SplitBackwardError, match=r"stage output \[1\] is a .*B takes Tensors, GradientEdges"
+    ):
         stage_backward_input([out, bad], [torch.ones_like(out), None], [x], model.parameters())
     assert x.grad is None

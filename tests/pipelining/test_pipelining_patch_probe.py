@@ -57,15 +57,25 @@ def test_matching_stage_is_accepted() -> None:
 @pytest.mark.parametrize(
     "altered, message",
     [
-        (_CALLS.replace('kw["param_groups"])', 'kw["param_groups"], True, "extra")'),
-         "calls stage_backward_weight with 4 positional argument"),
-        (_CALLS.replace('self.submod.parameters())', 'self.submod.parameters(), grad_mode="x")'),
-         r"keywords \['grad_mode'\]"),
-        (_CALLS.replace('stage_backward_weight(self.submod.parameters(), kw["param_groups"])',
-                        'stage_backward_weight(*kw["args"])'),
-         "with \\*args/\\*\\*kwargs"),
-        (_CALLS.replace("stage_backward_input(", "torch_backward_input("),
-         "no longer calls stage_backward_input"),
+        (
+            _CALLS.replace('kw["param_groups"])', 'kw["param_groups"], True, "extra")'),
+            "calls stage_backward_weight with 4 positional argument",
+        ),
+        (
+            _CALLS.replace("self.submod.parameters())", 'self.submod.parameters(), grad_mode="x")'),
+            r"keywords \['grad_mode'\]",
+        ),
+        (
+            _CALLS.replace(
+                'stage_backward_weight(self.submod.parameters(), kw["param_groups"])',
+                'stage_backward_weight(*kw["args"])',
+            ),
+            "with \\*args/\\*\\*kwargs",
+        ),
+        (
+            _CALLS.replace("stage_backward_input(", "torch_backward_input("),
+            "no longer calls stage_backward_input",
+        ),
     ],
     ids=["extra positional", "unknown keyword", "starred call", "call moved"],
 )
@@ -98,10 +108,14 @@ def test_direct_call_on_a_torch_lacking_a_feature_refuses_before_any_gradient(
 
     from gradsafe.pipelining import SplitBackwardError, _refusals, stage_backward_input
 
-    monkeypatch.setattr(_refusals, "_missing_feature", lambda: "autograd nodes have no _input_metadata")
+    monkeypatch.setattr(
+        _refusals, "_missing_feature", lambda: "autograd nodes have no _input_metadata"
+    )
     w = torch.ones(2, requires_grad=True)
     x = torch.ones(2, requires_grad=True)
-    with pytest.raises(SplitBackwardError, match=re.escape(f"torch {torch.__version__}: autograd nodes")):
+    with pytest.raises(
+        SplitBackwardError, match=re.escape(f"torch {torch.__version__}: autograd nodes")
+    ):
         stage_backward_input([x * w], [torch.ones(2)], [x], [w])
     assert x.grad is None and w.grad is None
 
@@ -119,8 +133,13 @@ def test_inference_wrappers_follow_the_methods_torch_defines() -> None:
 
     wrapped = {t.where.rsplit(".", 1)[1] for t in _patch._inference_targets(stage, schedules)}
     defined = set(vars(stage.PipelineStage)) | set(vars(schedules._PipelineSchedule))
-    candidates = {"_initialize_pp_stages", "_forward_metadata_inference",
-                  "_backward_metadata_inference", "_shape_inference", "_to_tensor"}
+    candidates = {
+        "_initialize_pp_stages",
+        "_forward_metadata_inference",
+        "_backward_metadata_inference",
+        "_shape_inference",
+        "_to_tensor",
+    }
     assert wrapped == candidates & defined and wrapped
 
     bare = types.SimpleNamespace(

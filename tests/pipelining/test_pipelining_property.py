@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 ACT_OPS = (
-    "matmul", "linear", "tanh_mul", "add", "split_swap", "chunk_mix", "bias_add", "matmul_derived", "lstm",
+    "matmul",
+    "linear",
+    "tanh_mul",
+    "add",
+    "split_swap",
+    "chunk_mix",
+    "bias_add",
+    "matmul_derived",
+    "lstm",
 )
 WEIGHT_OPS = ("tanh", "matmul", "transpose_scale")
 
@@ -32,7 +40,9 @@ def programs(draw: Any) -> tuple[int, list[bool], list[tuple[Any, ...]], list[tu
     for _ in range(draw(st.integers(2, 9))):
         if draw(st.integers(0, 3)) == 0:
             op = draw(st.sampled_from(WEIGHT_OPS))
-            ops.append(("w", op, draw(st.integers(0, n_weight - 1)), draw(st.integers(0, n_weight - 1))))
+            ops.append(
+                ("w", op, draw(st.integers(0, n_weight - 1)), draw(st.integers(0, n_weight - 1)))
+            )
             n_weight += 1
         else:
             op = draw(st.sampled_from(ACT_OPS))
@@ -57,7 +67,9 @@ class Shared(nn.Module):
         self.lstm = nn.LSTM(4, 4)
 
 
-def _run(m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], *xs: torch.Tensor) -> list[torch.Tensor]:
+def _run(
+    m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], *xs: torch.Tensor
+) -> list[torch.Tensor]:
     acts: list[torch.Tensor] = list(xs)
     weights: list[torch.Tensor] = [m.w0, m.w1]
     for op in ops:
@@ -97,7 +109,9 @@ def _run(m: Shared, ops: list[tuple[Any, ...]], outputs: list[tuple[str, int]], 
 
 
 # split_checker is a pure function: nothing to reset between examples.
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(program=programs(), as_loss=st.booleans())
 def test_random_dags_split_equals_fused(program: Any, as_loss: bool, split_checker: Any) -> None:
     n_inputs, requires, ops, outputs = program

@@ -35,8 +35,12 @@ pytestmark = pytest.mark.distributed
 def _run(mode: str, kind: str, wrapper: str, tmp_path: Path) -> list[dict[str, object]]:
     ranks = 2 * worker.data_parallel(wrapper)
     return run_ranks(
-        HERE / "_pipelining_zbv_worker.py", [mode, kind, wrapper], ranks, tmp_path,
-        f"{mode} {kind} {wrapper}", timeout=120,
+        HERE / "_pipelining_zbv_worker.py",
+        [mode, kind, wrapper],
+        ranks,
+        tmp_path,
+        f"{mode} {kind} {wrapper}",
+        timeout=120,
     )
 
 
@@ -96,7 +100,9 @@ def _check_exact(results: list[dict[str, object]], wrapper: str) -> None:
         ("InterleavedZB", "ddp"),
     ],
 )
-def test_schedule_with_gradsafe_equals_single_process(kind: str, wrapper: str, tmp_path: Path) -> None:
+def test_schedule_with_gradsafe_equals_single_process(
+    kind: str, wrapper: str, tmp_path: Path
+) -> None:
     _check_exact(_run("gradsafe", kind, wrapper, tmp_path), wrapper)
 
 

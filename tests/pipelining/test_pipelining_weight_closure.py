@@ -94,7 +94,9 @@ def _assert_same(forward: Forward, in_b: tuple[str, ...] = ()) -> None:
     for name, seen in fused_calls.seen.items():
         for f_call, s_call in zip(seen, split_calls.seen[name]):
             for ft, st in zip(f_call, s_call):
-                assert (ft is None) == (st is None), f"{name}: a hook saw None where fused has a gradient"
+                assert (ft is None) == (st is None), (
+                    f"{name}: a hook saw None where fused has a gradient"
+                )
                 if ft is not None:
                     torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
     for name in in_b:

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.usefixtures("fp64")
 
 
 @pytest.mark.parametrize("fuse, delayed", [(True, False), (False, True), (True, True)])
-def test_fused_or_delayed_wgrad_kernel_in_a_split_stage_counts_once(fuse: bool, delayed: bool) -> None:
+def test_fused_or_delayed_wgrad_kernel_in_a_split_stage_counts_once(
+    fuse: bool, delayed: bool
+) -> None:
     """Was: main_grad exactly 2x the reference. A two-layer stage
     built from a wgrad_return kernel (fused into main_grad, or delayed through WeightGradStore)
     under MegatronStyleDDP, run with gradsafe's stage_backward_input + stage_backward_weight
@@ -39,7 +41,9 @@ def test_fused_or_delayed_wgrad_kernel_in_a_split_stage_counts_once(fuse: bool, 
     if delayed:
         mark_delayed_wgrad(w)
     ddp = MegatronStyleDDP(module_of([w], store), delay_wgrad_compute=delayed)
-    out = repro_linear(torch.tanh(repro_linear(x, w, fuse=fuse, store=store)), w, fuse=fuse, store=store)
+    out = repro_linear(
+        torch.tanh(repro_linear(x, w, fuse=fuse, store=store)), w, fuse=fuse, store=store
+    )
     _, handoff = stage_backward_input([out], [g], [x], [w])
     stage_backward_weight([w], handoff)
     if store is not None:

@@ -260,7 +260,11 @@ def _broadcast_mul_nested():  # type: ignore[no-untyped-def]
 
 def _two_inputs():  # type: ignore[no-untyped-def]
     m = Params(w=(4, 4))
-    return m, [x_(3, 4), x_(3, 4), x_(3, 4, grad=False)], lambda x, y, z: [x @ m.w + y @ m.w @ m.w + z, x]
+    return (
+        m,
+        [x_(3, 4), x_(3, 4), x_(3, 4, grad=False)],
+        lambda x, y, z: [x @ m.w + y @ m.w @ m.w + z, x],
+    )
 
 
 def _non_leaf_input():  # type: ignore[no-untyped-def]
@@ -354,7 +358,9 @@ def _batchnorm_eval():  # type: ignore[no-untyped-def]
 
 
 def _attention_modules():  # type: ignore[no-untyped-def]
-    m = nn.ModuleDict({"mha": nn.MultiheadAttention(8, 2, batch_first=True), "qkv": nn.Linear(8, 24)})
+    m = nn.ModuleDict(
+        {"mha": nn.MultiheadAttention(8, 2, batch_first=True), "qkv": nn.Linear(8, 24)}
+    )
 
     def fwd(x):  # type: ignore[no-untyped-def]
         q, k, v = m["qkv"](x).view(2, 4, 3, 2, 4).unbind(2)

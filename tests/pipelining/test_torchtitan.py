@@ -48,11 +48,19 @@ Grads = list[dict[str, torch.Tensor | None]]
 
 
 def _train(
-    mode: str, dp: int, ac: str, reshard: str, tmp_path: Path,
-    fsdp: str = "on", schedule: str = "ZBVZeroBubble",
+    mode: str,
+    dp: int,
+    ac: str,
+    reshard: str,
+    tmp_path: Path,
+    fsdp: str = "on",
+    schedule: str = "ZBVZeroBubble",
 ) -> list[dict[str, object]]:
     return run_ranks(
-        WORKER, [mode, "2", str(dp), ac, reshard, fsdp, schedule], 2 * dp, tmp_path,
+        WORKER,
+        [mode, "2", str(dp), ac, reshard, fsdp, schedule],
+        2 * dp,
+        tmp_path,
         f"torchtitan {mode} {schedule} PP 2 x FSDP {dp} ({fsdp}), {ac} AC, reshard {reshard}",
         timeout=TIMEOUT,
     )
@@ -76,7 +84,9 @@ def _grads(results: list[dict[str, object]]) -> Grads:
 def _reference(results: list[dict[str, object]], dp: int, tmp_path: Path) -> Grads:
     done = subprocess.run(
         [sys.executable, str(WORKER), "reference", str(tmp_path), str(len(results)), str(dp)],
-        env=worker_env(), capture_output=True, timeout=TIMEOUT,
+        env=worker_env(),
+        capture_output=True,
+        timeout=TIMEOUT,
     )
     assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
     return torch.load(tmp_path / "reference.pt", weights_only=False)  # type: ignore[no-any-return]
@@ -122,7 +132,9 @@ def _assert_equals_reference(results: list[dict[str, object]], dp: int, tmp_path
 
 
 @pytest.mark.parametrize("ac", ["selective", "none"])
-def test_torchtitan_zbv_without_gradsafe_shows_the_upstream_failure(ac: str, tmp_path: Path) -> None:
+def test_torchtitan_zbv_without_gradsafe_shows_the_upstream_failure(
+    ac: str, tmp_path: Path
+) -> None:
     results = _train("upstream", 1, ac, "default", tmp_path)
     crashes = _crashes(results)
     if crashes:  # selective AC: W re-runs a checkpointed region B already consumed

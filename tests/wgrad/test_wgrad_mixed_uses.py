@@ -33,12 +33,16 @@ def test_any_mix_is_exact(uses: list[Use], microbatches: int) -> None:
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_a_flag_set_without_watching_loses_the_unfused_use(microbatches: int) -> None:
     """The issue's case: a tied embedding next to a fused output head."""
-    problems = check_mixed(("autograd", "now/fused"), microbatches, kernel=kernel_with(unwatched_policy))
+    problems = check_mixed(
+        ("autograd", "now/fused"), microbatches, kernel=kernel_with(unwatched_policy)
+    )
     assert any(p.startswith("w (mixed): main_grad wrong") for p in problems)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_fused_use_inside_activation_checkpointing_keeps_the_outer_unfused_use(use_reentrant: bool) -> None:
+def test_fused_use_inside_activation_checkpointing_keeps_the_outer_unfused_use(
+    use_reentrant: bool,
+) -> None:
     """Reentrant checkpointing runs the fused use in a backward of its own: its dummy must not hide the outer use."""
     from torch.utils.checkpoint import checkpoint
 

@@ -163,7 +163,9 @@ def test_one_dummy_per_backward_for_tied_fused_uses() -> None:
 
         @staticmethod
         def backward(ctx, g):  # type: ignore[no-untyped-def]
-            returned.append(wgrad_return(ctx.w, None, accumulate_into_main_grad=True, delayed=False))
+            returned.append(
+                wgrad_return(ctx.w, None, accumulate_into_main_grad=True, delayed=False)
+            )
             return g, returned[-1]
 
     seen: list[torch.Tensor] = []
