@@ -403,11 +403,6 @@ def test_multi_grad_hook_all_over_parameter_and_activation() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='any') over a parameter and a weight-only "
-    "non-leaf fires twice (W's engine pass, then W's delivery)",
-)
 def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
     """A mode-"any" multi-grad hook over a parameter and a tensor computed from it fires once.
 
@@ -424,11 +419,6 @@ def test_multi_grad_hook_any_over_parameter_and_weight_only_nonleaf() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="register_multi_grad_hook(mode='all') over a parameter and a weight-only "
-    "non-leaf: B accepts it, W then fails (SplitBackwardError) -- a fused backward works",
-)
 def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
     """A mode-"all" multi-grad hook over a parameter and a tensor computed from it fires once with both gradients, or is refused in B.
 
@@ -445,11 +435,6 @@ def test_multi_grad_hook_all_over_parameter_and_weight_only_nonleaf() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook registered on a parameter by a weight-only tensor's hook runs in "
-    "W's capture (hooks dict emptied, new hook lands in it) and again in the delivery",
-)
 def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
     """A parameter hook registered by a weight-only tensor's hook during W runs once.
 
@@ -619,11 +604,6 @@ def test_tied_weight_under_save_on_cpu() -> None:
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a callback queued (queue_callback) by a hook that runs in W's engine "
-    "pass runs when that pass ends, before W delivers any parameter gradient",
-)
 def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() -> None:
     """An end-of-backward callback queued during W runs after the parameters have their gradients.
 
