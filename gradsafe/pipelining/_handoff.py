@@ -288,7 +288,8 @@ class WeightGradHandoff:
         self._finish(HandoffState.FAILED, f"{type(error or exc).__name__}: {error or exc}")
         if error is None:
             # A hook's own exception (or torch's, from a weight-only node) keeps its type.
-            if progress is not None and (progress.delivered or progress.under_way):
+            # (Python 3.10 has no exception notes: there the counts are not attached.)
+            if progress is not None and (progress.delivered or progress.under_way) and hasattr(exc, "add_note"):
                 exc.add_note("gradsafe: " + state)
             raise exc
         raise error from (exc.cause if isinstance(exc, IntermediateFailed) else exc)

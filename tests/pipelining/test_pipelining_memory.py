@@ -25,7 +25,9 @@ _SLACK = 4096
 _STAGES = {"weight-dominated": (4, 256, 4), "activation-dominated": (4, 32, 512)}
 
 
-def _points(impl: str, stage: str, microbatches: int, grads_held: bool, order: str) -> dict[str, int]:
+def _points(
+    impl: str, stage: str, microbatches: int, grads_held: bool, order: str
+) -> dict[str, int]:
     layers, dim, batch = _STAGES[stage]
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.Tanh())))

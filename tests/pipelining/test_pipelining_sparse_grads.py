@@ -23,7 +23,9 @@ _NUM, _DIM, _BATCH = 10, 4, 6
 
 def _bag(idx: torch.Tensor, e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # Per-sample weights from the stage input: the bag's node depends on x and E (W calls it).
-    return F.embedding_bag(idx, e, per_sample_weights=torch.tanh(x[:, : idx.shape[1]]), mode="sum", sparse=True)
+    return F.embedding_bag(
+        idx, e, per_sample_weights=torch.tanh(x[:, : idx.shape[1]]), mode="sum", sparse=True
+    )
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,7 +40,9 @@ _CASES: dict[str, Forward] = {
     # two sparse gradients
     "sparse + sparse": lambda idx, e, x: _bag(idx, e, x) * _bag(idx.flip(0), e, x.flip(0)),
     # an expanded gradient (AddBackward passes the loss's expanded ones on) and a dense one
-    "expanded + dense": lambda idx, e, x: (x[:, :1] + e[:1, :]).sum() + (x @ e.t()).sum() + _bag(idx, e, x).sum(),
+    "expanded + dense": lambda idx, e, x: (
+        (x[:, :1] + e[:1, :]).sum() + (x @ e.t()).sum() + _bag(idx, e, x).sum()
+    ),
 }
 
 
@@ -58,7 +62,9 @@ def _start(e: torch.nn.Parameter, held: str) -> None:
 @pytest.mark.parametrize("held", ["None", "dense", "sparse"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("case", sorted(_CASES))
-def test_mixed_layout_gradients_sum_like_a_fused_backward(case: str, layout: str, held: str) -> None:
+def test_mixed_layout_gradients_sum_like_a_fused_backward(
+    case: str, layout: str, held: str
+) -> None:
     forward = _CASES[case]
     torch.manual_seed(0)
     e = _param(layout)

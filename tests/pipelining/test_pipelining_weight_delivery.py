@@ -13,8 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from gradsafe.pipelining import HandoffState, SplitBackwardError, stage_backward_input, stage_backward_weight
-from gradsafe.pipelining import _weight_pass
+from gradsafe.pipelining import (
+    HandoffState,
+    SplitBackwardError,
+    _weight_pass,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 
 class _HookError(Exception):
@@ -44,7 +49,9 @@ def test_a_hook_raising_part_way_leaves_earlier_parameters_delivered() -> None:
     with pytest.raises(_HookError) as info:
         stage_backward_weight(model.parameters(), handoff)
     notes = " ".join(getattr(info.value, "__notes__", []))
-    assert "delivered 2 of the 6 parameters" in notes and "2 more were being delivered" in notes, notes
+    assert "delivered 2 of the 6 parameters" in notes and "2 more were being delivered" in notes, (
+        notes
+    )
     assert handoff.state is HandoffState.FAILED
     grads = dict(zip(("w0", "b0", "w1", "b1", "w2", "b2"), (p.grad for p in model.parameters())))
     start = dict(zip(grads, held))
@@ -67,7 +74,9 @@ def test_misuse_is_refused_before_any_gradient_changes() -> None:
     assert handoff.state is HandoffState.FAILED
 
 
-def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model, x, g = _stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
 
@@ -75,7 +84,9 @@ def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(monkeypatch: p
         raise RuntimeError("this node cannot be called directly")
 
     monkeypatch.setattr(_weight_pass, "call_node", refuse)
-    with pytest.raises(SplitBackwardError, match="limit of gradsafe's split backward.*not a misuse") as info:
+    with pytest.raises(
+        SplitBackwardError, match="limit of gradsafe's split backward.*not a misuse"
+    ) as info:
         stage_backward_weight(model.parameters(), handoff)
     assert "hook" not in str(info.value)
     assert "No parameter gradient has changed" in str(info.value)
