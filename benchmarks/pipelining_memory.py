@@ -1,6 +1,8 @@
 """Memory a split backward holds: gradsafe vs torch's split vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_memory.py [--layers 8 --dim 2048 --batch 512 --microbatches 2]
+Run: PYTHONPATH=. python benchmarks/pipelining_memory.py
+         (both configurations below, .grad None and held, 2 microbatches)
+     PYTHONPATH=. python benchmarks/pipelining_memory.py --layers 8 --dim 4096 --batch 64 [--microbatches 2]
      PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
 
 1. One last pipeline stage (``layers`` x Linear(dim)+tanh, then an MSE loss),
@@ -10,8 +12,13 @@ then W for each, while the losses stay referenced (the schedule keeps them in
 ``_internal_losses`` and returns them from ``step()``). Bytes are those of
 every tensor storage created from the first forward on (activations, saved
 tensors, recorded gradients, parameter gradients) that is still alive,
-counted by a dispatch mode; "peak" is the maximum after any operator.
-Parameters and inputs, identical for all three, are not counted.
+counted by :class:`gradsafe.testing.LiveStorage`: after each B and W, the
+peak during each (after any operator), and the peak of the whole step.
+Parameters, inputs and gradients held before the step are not counted. By
+default two configurations: activation-dominated (8 x Linear(1024),
+microbatch 512) and weight-dominated (8 x Linear(2048), microbatch 64), each
+with ``.grad`` None (the first microbatch of a step) and already holding a
+gradient (every later one).
 
 2. ``--zbv``: one ``ScheduleZBVZeroBubble`` step on 2 gloo ranks (4 stages of
 ``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
@@ -32,46 +39,51 @@ from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
-from gradsafe.pipelining._live_bytes import LiveBytes
+from gradsafe.testing import LiveStorage
 
 MiB = 1 << 20
 
 
 def run(
-    impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor]
+    impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor], held: bool
 ) -> dict[str, float]:
-    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) if held else None
+    existing = [*params, *xs, *ys, *(p.grad for p in params if p.grad is not None)]
     points: dict[str, float] = {}
-    with LiveBytes([*model.parameters(), *xs, *ys]) as mode:
+    with LiveStorage(existing) as mode:
         losses, outs, handoffs = [], [], []
         for x, y in zip(xs, ys):
             out = model(x)
             loss = (out - y).pow(2).mean()
             losses.append(loss)
             outs.append(out)
-        for x, loss, out in zip(xs, losses, outs):
+        mode.mark()
+        for i, (x, loss, out) in enumerate(zip(xs, losses, outs)):
             if impl == "fused":
                 loss.backward()
             else:
                 split = (
                     stage_backward_input if impl == "gradsafe" else torch_split.stage_backward_input
                 )
-                _, handoff = split([loss], None, [x], model.parameters())
+                _, handoff = split([loss], None, [x], params)
                 handoffs.append(handoff)
             out.detach_()  # stage.py, last stage, after B
-        points["between B and W"] = mode.live()
-        for handoff in handoffs:
+            points[f"peak during B{i}"] = mode.peak_since_mark
+            points[f"after B{i}"] = mode.mark()
+        for i, handoff in enumerate(handoffs):
             weight = (
                 stage_backward_weight if impl == "gradsafe" else torch_split.stage_backward_weight
             )
-            weight(model.parameters(), handoff)
-        handoffs.clear()  # the schedule pops its backward_state entry at W
-        gc.collect()
-        points["after W"] = mode.live()
+            weight(params, handoff)
+            handoffs[i] = None  # the schedule pops its backward_state entry at W
+            points[f"peak during W{i}"] = mode.peak_since_mark
+            points[f"after W{i}"] = mode.mark()
         del outs
         gc.collect()
         points["after step (losses kept)"] = mode.live()
-        points["peak"] = mode.peak
+        points["peak of the step"] = mode.peak
     return {k: v / MiB for k, v in points.items()}
 
 
@@ -102,7 +114,7 @@ def _zbv_rank(rank: int, port: int, impl: str, args: Any, queue: Any) -> None:
     y = torch.randn(args.batch * args.microbatches, args.dim)
     existing = [p for i in indices for p in stages_all[i].parameters()] + [x, y]
     points = {"after any B (max)": 0.0, "after the last W": 0.0}
-    with LiveBytes(existing) as mode:
+    with LiveStorage(existing) as mode:
 
         def b_recorded(*a: Any) -> Any:
             result = b(*a)
@@ -173,46 +185,59 @@ def zbv(args: Any) -> None:
             print(row)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--zbv", action="store_true", help="a 2-rank ZBV step instead of one stage")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--microbatches", type=int, default=2)
-    args = parser.parse_args()
-    if args.zbv:
-        zbv(args)
-        return
+def single_stage(layers: int, dim: int, batch: int, microbatches: int, held: bool) -> None:
     torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.Tanh())))
+    xs = [torch.randn(batch, dim, requires_grad=True) for _ in range(microbatches)]
+    ys = [torch.randn(batch, dim) for _ in range(microbatches)]
     print(
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; "
-        f"{args.layers} x (Linear({args.dim}) + tanh), microbatch {args.batch}, "
-        f"{args.microbatches} microbatches, MiB of live storages created from the forward on"
+        f"\n{layers} x (Linear({dim}) + tanh), microbatch {batch}, {microbatches} microbatches, "
+        f".grad {'held' if held else 'None'} before the step; MiB"
     )
-    model = nn.Sequential(
-        *(m for _ in range(args.layers) for m in (nn.Linear(args.dim, args.dim), nn.Tanh()))
-    )
-    xs = [torch.randn(args.batch, args.dim, requires_grad=True) for _ in range(args.microbatches)]
-    ys = [torch.randn(args.batch, args.dim) for _ in range(args.microbatches)]
     results: dict[str, dict[str, float]] = {}
     for impl in ("fused", "torch", "gradsafe"):
         try:
-            results[impl] = run(impl, model, xs, ys)
+            results[impl] = run(impl, model, xs, ys, held)
         except RuntimeError as exc:
             print(f"{impl}: crashed: {str(exc).splitlines()[0][:100]}")
         for x in xs:
             x.grad = None
-    names: list[str] = list(next(iter(results.values())))
-    header = (
-        f"{'point':<26}" + "".join(f"{impl:>12}" for impl in results) + f"{'gradsafe/torch':>16}"
-    )
-    print(header)
+    # The fused backward has no W: its rows for W are left empty.
+    names = max((list(r) for r in results.values()), key=len)
+    print(f"{'point':<26}" + "".join(f"{impl:>10}" for impl in results) + f"{'gradsafe/torch':>16}")
     for name in names:
-        row = f"{name:<26}" + "".join(f"{results[i][name]:12.1f}" for i in results)
+        row = f"{name:<26}" + "".join(
+            f"{results[i][name]:10.1f}" if name in results[i] else f"{'':>10}" for i in results
+        )
         if "torch" in results and "gradsafe" in results and results["torch"][name] > 0:
             row += f"{results['gradsafe'][name] / results['torch'][name]:15.2f}x"
         print(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zbv", action="store_true", help="a 2-rank ZBV step instead of one stage")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, help="one configuration (default: both below)")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--microbatches", type=int, default=2)
+    args = parser.parse_args()
+    if args.zbv:
+        args.dim, args.batch = args.dim or 2048, args.batch or 512
+        zbv(args)
+        return
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; MiB of live "
+        "storages created from the forward on"
+    )
+    configs = (
+        [(args.dim or 2048, args.batch or 512)]
+        if args.dim or args.batch
+        else [(1024, 512), (2048, 64)]  # activation-dominated, weight-dominated
+    )
+    for dim, batch in configs:
+        for held in (False, True):
+            single_stage(args.layers, dim, batch, args.microbatches, held)
 
 
 if __name__ == "__main__":

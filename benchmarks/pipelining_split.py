@@ -1,10 +1,13 @@
 """Split backward (B/W) cost: gradsafe vs torch's own vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick]
+Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N]
 Prints the torch version and machine, then times (ms) and ratios measured in
-this one process, interleaving the implementations in every repetition. The
-time reported is the minimum over repetitions (the machine this was written on
-is shared; the minimum is the least disturbed run), on one intra-op thread.
+this one process, interleaving the implementations in every repetition, on one
+intra-op thread. Each figure is thread CPU time (what this thread spent, which
+other processes on a shared machine disturb far less than wall time), given as
+the minimum and the median over repetitions, with wall time's minimum beside
+it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a quiet
+machine). Ratios are taken between figures of the same kind.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,21 +82,25 @@ def transformer(layers: int, d: int) -> tuple[nn.Module, Forward]:
     return stack, stack
 
 
-def _time(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def _time(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall, thread CPU) seconds of one call."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 class Impl:
     def __init__(self, name: str, b: Any, w: Any) -> None:
         self.name, self.b, self.w = name, b, w
 
-    def run(self, model: nn.Module, fwd: Forward, x: torch.Tensor) -> tuple[float, float]:
+    def run(
+        self, model: nn.Module, fwd: Forward, x: torch.Tensor
+    ) -> tuple[tuple[float, float], ...]:
+        """(wall, CPU) of B and of W; for the fused backward, all of it is B."""
         out = fwd(x)
         g = torch.ones_like(out)
         if self.b is None:  # fused
-            return _time(lambda: torch.autograd.backward([out], [g])), 0.0
+            return _time(lambda: torch.autograd.backward([out], [g])), (0.0, 0.0)
         box: dict[str, Any] = {}
         tb = _time(lambda: box.setdefault("h", self.b([out], [g], [x], model.parameters())[1]))
         tw = _time(lambda: self.w(model.parameters(), box["h"]))
@@ -107,7 +115,8 @@ IMPLS = {
 
 
 def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int) -> dict[str, Any]:
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in IMPLS}
+    """Per implementation: B, W and B+W in CPU ms (min), B+W CPU median, B+W wall min, noise."""
+    samples: dict[str, list[tuple[tuple[float, float], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
     for rep in range(reps + 2):
         for name, impl in IMPLS.items():
@@ -116,21 +125,26 @@ def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int)
             model.zero_grad(set_to_none=True)
             x = torch.randn(*x_shape, requires_grad=True)
             try:
-                tb, tw = impl.run(model, fwd, x)
+                timing = impl.run(model, fwd, x)
             except RuntimeError as exc:
                 crashed[name] = str(exc).strip().splitlines()[-1][:60]
                 continue
             if rep >= 2:  # warm-up
-                samples[name].append((tb, tw))
+                samples[name].append(timing)
     result: dict[str, Any] = {}
     for name, s in samples.items():
         if name in crashed:
             result[name] = None
             continue
-        b = min(t[0] for t in s) * 1e3
-        w = min(t[1] for t in s) * 1e3
-        tot = min(t[0] + t[1] for t in s) * 1e3
-        result[name] = {"B": b, "W": w, "total": tot}
+        cpu = [b[1] + w[1] for b, w in s]
+        result[name] = {
+            "B": min(b[1] for b, _ in s) * 1e3,
+            "W": min(w[1] for _, w in s) * 1e3,
+            "total": min(cpu) * 1e3,
+            "median": statistics.median(cpu) * 1e3,
+            "wall": min(b[0] + w[0] for b, w in s) * 1e3,
+            "noise": statistics.median(cpu) / min(cpu),
+        }
     result["crashed"] = crashed
     return result
 
@@ -194,18 +208,23 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         "recurrence h@w + x@u x12": (recurrence(12, d), (tokens, d)),
         f"12 transformer blocks (d={d // 2})": (transformer(12, d // 2), (4, tokens // 8, d // 2)),
         f"12 transformer blocks (d={d})": (transformer(12, d), (4, tokens // 8, d)),
+        "small: 12 distinct Linear(64), 64 tokens": (linear_stack(12, 64, False, True), (64, 64)),
+        "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
     }
+    print("   thread CPU ms (min over repetitions); ratios of CPU min, CPU median and wall min")
     print(
-        f"{'model':<34} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
-        f"{'gs/fused':>8} | {'gs/torch':>8}"
+        f"{'model':<40} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
+        f"{'gs/fused min/med/wall':>22} | {'gs/torch min/med/wall':>22} | {'noise':>5}"
     )
     for label, ((model, fwd), shape) in models.items():
         r = measure(model, fwd, shape, reps)
         gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
-        vs_torch = "torch crashes" if tc is None else f"{gs['total'] / tc['total']:.2f}x"
+        ratios = lambda a, b: "/".join(f"{a[k] / b[k]:.2f}" for k in ("total", "median", "wall"))  # noqa: E731
+        vs_torch = "torch crashes" if tc is None else ratios(gs, tc)
         print(
-            f"{label:<34} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
-            f"{fmt(None if tc is None else tc['total']):>9} | {gs['total'] / fu['total']:7.2f}x | {vs_torch:>8}"
+            f"{label:<40} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
+            f"{fmt(None if tc is None else tc['total']):>9} | {ratios(gs, fu):>22} | {vs_torch:>22} | "
+            f"{gs['noise']:5.2f}"
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from gradsafe.pipelining._gc import collector_paused
 from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
 from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, detach_output
 from gradsafe.pipelining._refusals import (
@@ -124,7 +125,7 @@ def stage_backward_input(
     # B builds autograd nodes of its own (views of outputs, its record hooks);
     # under torch.inference_mode() those would be inference tensors without a
     # graph. A fused backward works there, so B does too.
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), collector_paused():
         return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
 
 
@@ -329,14 +330,16 @@ def stage_backward_weight(
     Raises:
         SplitBackwardError: no hand-off, one from torch's own B, one already
             used or failed, one made for other parameters, a non-bool
-            ``retain_graph``, or a weight pass that cannot be computed (saved
-            tensors freed, or a hook on a weight-side node or tensor raised).
-            No parameter gradient has changed then (only hooks on weight-side
-            nodes and tensors may have run), and the hand-off is ``FAILED``.
-            A parameter hook's own exception
-            propagates unchanged from the delivery step: parameters whose
-            AccumulateGrad ran before it keep their new gradient (their hooks
-            ran), the others do not, and the hand-off is ``FAILED``.
+            ``retain_graph``, or saved tensors W needs freed by another
+            backward: refused before anything runs, no gradient changed.
+            W then delivers each parameter's gradient as soon as it is final
+            (memory: one layer's gradients at a time, as torch's own W). If
+            something fails after that (a hook's exception, which propagates
+            with its type; torch's error from a weight-side node), the
+            parameters whose gradients were delivered keep them (their hooks
+            ran), those of the engine backward under way may or may not, the
+            rest are unchanged; the exception's note (or message) gives the
+            counts, and the hand-off is ``FAILED``.
 
     Example::
 

@@ -15,12 +15,12 @@ belongs to the previous stage.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Collection, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from gradsafe.pipelining._gc import collector_paused
 from gradsafe.pipelining._torch import leaf_variable
 
 __all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze"]
@@ -74,16 +74,8 @@ class StageGraph:
 
 def analyze(outputs: Sequence[GradientEdge], input_nodes: Collection[Node]) -> StageGraph:
     """Classify the graph behind ``outputs``; see the module docstring."""
-    # The walk allocates a few tuples per node but no garbage cycles; pausing
-    # the cyclic collector stops it from re-traversing the (graph-sized) heap
-    # mid-walk, which made the walk's time erratic and superlinear.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _analyze(outputs, set(input_nodes))
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:

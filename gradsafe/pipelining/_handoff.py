@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._torch import DONATED_BUFFERS, engine_error
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, deliver, leaf_grads
+from gradsafe.pipelining._gc import collector_paused
+from gradsafe.pipelining._torch import DONATED_BUFFERS, engine_error, saved_freed
+from gradsafe.pipelining._weight_pass import (
+    IntermediateFailed,
+    Kept,
+    OutputRoot,
+    Progress,
+    Recorded,
+    deliver_as_ready,
+    leaf_grads,
+)
+
+_T = TypeVar("_T")
 
 __all__ = [
     "GradientEdgeRootError",
@@ -44,13 +56,14 @@ def detached_by_split(tensor: torch.Tensor) -> bool:
 class SplitBackwardError(RuntimeError):
     """A split backward was used in a way that cannot give a fused backward's gradients.
 
-    Raised before any gradient is changed: gradsafe checks everything it can
-    (argument types, B run twice, a hand-off used twice or with another stage's
-    parameters, hooks a split cannot honour) before B runs any hook, and
-    computes every gradient (saved tensors already freed fail there; hooks on
-    weight-side nodes run there) before W's single delivery step. The one
-    failure that can come after some gradients were accumulated is a user
-    parameter hook's own exception, which propagates as is.
+    Misuse is refused before any gradient changes: gradsafe checks everything
+    it can without computing a gradient (argument types, B run twice, a
+    hand-off used twice or with another stage's parameters, hooks a split
+    cannot honour) before B runs any hook and before W computes anything. W
+    then delivers each parameter's gradient as soon as it is final, so a
+    failure part-way through W (saved tensors freed by another backward, a
+    hook raising) leaves the parameters delivered before it with their new
+    gradient; the error says how many (see ``stage_backward_weight``).
     """
 
 
@@ -69,6 +82,41 @@ class GradientTypeError(SplitBackwardError, TypeError):
     Also a ``TypeError``: torch's split raises one for this (2.11, from
     autograd; later releases wrap it in a ``RuntimeError``, which this is too).
     """
+
+
+def _changed(progress: Progress | None) -> str:
+    """What a weight pass that stopped at ``progress`` left changed, in words."""
+    if progress is None or not (progress.delivered or progress.under_way):
+        return "No parameter gradient has changed."
+    text = (
+        f"W had already delivered {progress.delivered} of the {progress.total} parameters' "
+        "gradients (their .grad includes this microbatch's and their hooks ran)"
+    )
+    if progress.under_way:
+        text += (
+            f"; {progress.under_way} more were being delivered when it stopped (each may or "
+            "may not include it)"
+        )
+    return text + "; the others are unchanged."
+
+
+def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardError:
+    cause = exc.cause
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    if "second time" in first or "freed" in first:
+        why = (
+            "its saved tensors are gone: another backward ran through this microbatch's graph "
+            "between B and W without retain_graph=True. Redo the microbatch's forward and backward."
+        )
+    else:
+        why = (
+            "this is a limit of gradsafe's split backward (W calls that node's backward directly), "
+            "not a misuse: use stage_backward (fused) for this stage and report it."
+        )
+    return SplitBackwardError(
+        f"W could not compute the weight gradients of {exc.node_name} "
+        f"({type(cause).__name__}: {first}); {why} {state}"
+    )
 
 
 class HandoffState(enum.Enum):
@@ -167,9 +215,11 @@ class WeightGradHandoff:
         """W: accumulate this microbatch's weight gradients into the parameters, once.
 
         ``weights`` must include the parameters given to B (or their FSDP2
-        counterparts). Every error gradsafe can detect is raised as
-        :class:`SplitBackwardError` before any gradient changes or hook runs;
-        any exception leaves the hand-off ``FAILED``. With ``retain_graph=False``
+        counterparts). Misuse is raised as :class:`SplitBackwardError` before
+        any gradient changes or hook runs; each parameter's gradient is then
+        delivered as soon as it is final, so a later failure leaves those
+        delivered before it changed (the exception says how many). Any
+        exception leaves the hand-off ``FAILED``. With ``retain_graph=False``
         the stage outputs B left attached (those another node consumes) are
         detached in place afterwards, so nothing keeps the microbatch's graph alive.
         """
@@ -181,13 +231,13 @@ class WeightGradHandoff:
             )
             self._finish(HandoffState.FAILED, str(error))
             raise error
-        callbacks: list[Any] = []
-        grads = self._compute(weights, callbacks)
+        self._check_usable()
+        progress = Progress()
         try:
-            deliver(self._leaves, grads, callbacks)
+            self._validate(weights)
+            self._pass(functools.partial(deliver_as_ready, progress=progress))
         except BaseException as exc:
-            self._finish(HandoffState.FAILED, f"delivery raised {type(exc).__name__}: {exc}")
-            raise
+            self._fail(exc, progress)
         if not retain_graph:
             for out in self._outputs:
                 detach_output(out)
@@ -202,7 +252,12 @@ class WeightGradHandoff:
         gradient. Consumes the hand-off like :meth:`run`, with the same errors,
         and detaches nothing.
         """
-        grads = self._compute(weights)
+        self._check_usable()
+        try:
+            self._validate(weights)
+            grads = self._pass(leaf_grads)
+        except BaseException as exc:
+            self._fail(exc, None)
         by_owner: dict[int, torch.Tensor | None] = {}
         for owners, grad in zip(self._owners, grads):
             for owner in owners:
@@ -210,45 +265,43 @@ class WeightGradHandoff:
         self._finish(HandoffState.CONSUMED)
         return tuple(by_owner.get(id(w)) for w in weights)
 
-    def _compute(
-        self, weights: Sequence[torch.Tensor], callbacks: list[Any] | None = None
-    ) -> list[torch.Tensor | None]:
-        """Every leaf's gradient, computed before anything changes; any error leaves FAILED."""
-        self._check_usable()
-        try:
-            self._check_weights(weights)
-            try:
-                # W takes the recorded nodes over and drops each once used.
-                recorded, self._recorded = list(self._recorded), ()
-                kept, self._kept = self._kept, ()
-                group, self._group = self._group, None
-                with contextlib.nullcontext() if group is None else group:
-                    return leaf_grads(
-                        recorded,
-                        kept,
-                        self._output_roots,
-                        self._weight_nodes,
-                        self._leaf_nodes,
-                        self._leaves,
-                        callbacks,
-                    )
-            except (
-                RuntimeError
-            ) as exc:  # torch's own errors; a hook's other exceptions pass as they are
-                if engine_error(exc) == "donated_buffer":
-                    raise SplitBackwardError(DONATED_BUFFERS) from exc
-                raise SplitBackwardError(
-                    "the weight pass failed while computing gradients, before changing any "
-                    f"parameter's gradient ({type(exc).__name__}: "
-                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). A hook on "
-                    "a weight-side node or tensor may have raised it; or another backward ran "
-                    "through this microbatch's graph between B and W without retain_graph=True, "
-                    "and the saved tensors W needs are gone: redo the microbatch's forward and "
-                    "backward."
-                ) from exc
-        except BaseException as exc:
-            self._finish(HandoffState.FAILED, f"{type(exc).__name__}: {exc}")
-            raise
+    def _pass(self, weight_pass: Callable[..., _T]) -> _T:
+        """Run ``weight_pass`` on what B recorded; the hand-off gives it all up first."""
+        # W takes the recorded nodes over and drops each once used.
+        recorded, self._recorded = list(self._recorded), ()
+        kept, self._kept = self._kept, ()
+        group, self._group = self._group, None
+        with collector_paused(), contextlib.nullcontext() if group is None else group:
+            return weight_pass(
+                recorded,
+                kept,
+                self._output_roots,
+                self._weight_nodes,
+                self._leaf_nodes,
+                self._leaves,
+            )
+
+    def _fail(self, exc: BaseException, progress: Progress | None) -> NoReturn:
+        """Leave the hand-off FAILED and raise ``exc`` (or the error gradsafe words for it)."""
+        state = _changed(progress)
+        error: BaseException | None = None
+        if isinstance(exc, IntermediateFailed):
+            error = _intermediate_error(exc, state)
+        elif isinstance(exc, RuntimeError) and engine_error(exc) == "donated_buffer":
+            # The shared text says nothing changed; W says what did.
+            error = SplitBackwardError(DONATED_BUFFERS.split(" (no parameter")[0] + ". " + state)
+        self._finish(HandoffState.FAILED, f"{type(error or exc).__name__}: {error or exc}")
+        if error is None:
+            # A hook's own exception (or torch's, from a weight-only node) keeps its type.
+            # (Python 3.10 has no exception notes: there the counts are not attached.)
+            if (
+                progress is not None
+                and (progress.delivered or progress.under_way)
+                and hasattr(exc, "add_note")
+            ):
+                exc.add_note("gradsafe: " + state)
+            raise exc
+        raise error from (exc.cause if isinstance(exc, IntermediateFailed) else exc)
 
     def _check_usable(self) -> None:
         if self._state is HandoffState.CONSUMED:
@@ -261,6 +314,19 @@ class WeightGradHandoff:
             raise SplitBackwardError(
                 f"this hand-off's weight pass already failed ({self._failure}); it holds nothing "
                 "any more. Redo the microbatch's forward and backward."
+            )
+
+    def _validate(self, weights: Sequence[torch.Tensor]) -> None:
+        """Everything W can check without computing a gradient: nothing has changed yet."""
+        self._check_weights(weights)
+        nodes = (*(node for node, _, _ in self._recorded), *self._weight_nodes)
+        freed = next((node for node in nodes if saved_freed(node)), None)
+        if freed is not None:
+            raise SplitBackwardError(
+                "W stopped before changing any parameter's gradient: the saved tensors of "
+                f"{freed.name()}, which W needs, were freed: another backward ran through this "
+                "microbatch's graph between B and W without retain_graph=True. Redo the "
+                "microbatch's forward and backward."
             )
 
     def _check_weights(self, weights: Sequence[torch.Tensor]) -> None:

@@ -13,6 +13,8 @@ and :func:`missing_feature` reports it before the patch is applied:
   dict (whether a user registered any besides gradsafe's);
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
+- ``Variable._execution_engine.run_backward``: the engine's entry point,
+  called directly for each component W delivers;
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
   ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
@@ -20,6 +22,7 @@ and :func:`missing_feature` reports it before the patch is applied:
 - ``SavedTensor.unpack_hook`` (via a node's ``_raw_saved_*``): whether a
   built-in node's saved tensors come back through saved-tensor hooks
   (activation checkpointing), so calling it again would unpack them again;
+  unpacking one (``_saved_*``) tells whether they were freed;
 - ``Tensor._backward_hooks``: the dict a leaf's tensor hooks are read from at
   call time, replaced by an empty stand-in while a gradient is captured at
   that leaf;
@@ -96,6 +99,7 @@ __all__ = [
     "donates_buffers",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
+    "multi_grad_hook_cells",
     "multi_grad_hook_spans",
     "current_exec_group",
     "exec_group",
@@ -113,7 +117,9 @@ __all__ = [
     "is_view",
     "leaf_variable",
     "missing_feature",
+    "run_backward",
     "runs_whole",
+    "saved_freed",
 ]
 
 
@@ -209,6 +215,24 @@ def saves_itself(node: Node) -> bool:
 @functools.cache
 def _saved_output_names(kind: type) -> tuple[str, ...]:
     return tuple(name for name in _saved_names(kind) if name.startswith("_raw_saved_result"))
+
+
+def saved_freed(node: Node) -> bool:
+    """Whether a built-in ``node``'s saved tensors were freed (a backward ran through it without retain_graph).
+
+    The engine frees all of a node's saved tensors at once, so unpacking one
+    tells. A custom Function's node is not checked (it unpacks through user code).
+    """
+    if is_python_node(node):
+        return False
+    names = _saved_names(type(node))
+    if not names:
+        return False
+    try:
+        getattr(node, names[0].replace("_raw_saved_", "_saved_", 1))
+    except RuntimeError:
+        return True
+    return False
 
 
 @functools.cache
@@ -470,6 +494,24 @@ def _probe_crashes(name: str) -> bool:
     return result.returncode != 0
 
 
+def run_backward(
+    roots: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+    wanted: Sequence[GradientEdge] = (),
+) -> None:
+    """One engine backward from ``roots`` with ``grads``, graph retained.
+
+    Without ``wanted`` it accumulates into the leaves it reaches; with it, it
+    runs only what leads to ``wanted`` and captures there, as ``autograd.grad``
+    (the captures are dropped). The engine's own entry point, without
+    ``autograd.backward``'s argument handling: W calls it once per delivered
+    component, with exact gradients.
+    """
+    torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tuple(roots), tuple(grads), True, False, tuple(wanted), True, not wanted
+    )
+
+
 def donates_buffers(node: Node) -> bool:
     """Whether ``node`` is a compiled block's backward that will refuse to run with the graph kept.
 
@@ -525,6 +567,24 @@ def has_other_post_hooks(handle: Any) -> bool:
     """
     hooks = handle.hooks_dict_ref()
     return hooks is not None and len(hooks) > 1
+
+
+def multi_grad_hook_cells(tensor: torch.Tensor) -> set[int]:
+    """Identities of the ``register_multi_grad_hook`` registrations that include ``tensor``.
+
+    One registration puts one hook per tensor (the same function in mode
+    ``"any"``, closures over shared cells in mode ``"all"``); the cells they
+    close over identify the registration.
+    """
+    hooks = tensor._backward_hooks
+    if not hooks:
+        return set()
+    return {
+        id(cell)
+        for hook in hooks.values()
+        if getattr(hook, "__code__", None) in _multi_grad_hook_codes()
+        for cell in getattr(hook, "__closure__", None) or ()
+    }
 
 
 def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[Node | None, ...]]:
@@ -665,9 +725,12 @@ def missing_feature() -> str | None:
         if accumulator is None or leaf_variable(accumulator) is not w:
             return "AccumulateGrad nodes do not expose their variable"
         try:
+            run_backward(
+                [GradientEdge(node, 0)], [torch.ones(2, device="cpu")]
+            )  # retains the graph
             torch.autograd.grad([GradientEdge(node, 0)], [w], [torch.ones(2, device="cpu")])  # type: ignore[list-item]
-        except (TypeError, RuntimeError) as exc:
-            return f"torch.autograd.grad does not take GradientEdge roots ({exc})"
+        except (TypeError, RuntimeError, AttributeError) as exc:
+            return f"the autograd engine does not take GradientEdge roots ({exc})"
         return _missing_hook_introspection(node, x, w)
     return None
 

@@ -1,30 +1,38 @@
-"""W in two phases: compute every leaf's gradient, then deliver them all at once.
+"""W: each leaf's gradient computed from what B recorded, and delivered as soon as it is final.
 
-1. :func:`leaf_grads` turns what B recorded into each weight-side leaf's total
-   gradient. Each intermediate is called directly on the gradient that arrived
-   at it in B (no engine: its hooks already ran in B, nothing flows into other
-   nodes and no saved tensor is freed). The calls happen inside the backward
-   of a tiny helper node whose engine task lists exactly the weight-side nodes
-   as wanted: a built-in node asks the running task which of its outputs are
-   needed (``task_should_compute_output``), so an intermediate skips its
-   input-gradient GEMM. What they send into the weight-only side then goes
-   through one engine ``autograd.grad`` down to the leaves' accumulators
-   (captured there, not accumulated; the leaves' own tensor hooks silenced):
-   weight-only nodes run once each with their summed gradient, so hooks on
-   them and on tensors computed from parameters alone (``(w * 2).register_hook``,
-   module backward hooks of a stage whose inputs need no grad) run once, as in
-   a fused backward. Anything that fails here fails before any parameter's
-   gradient changes.
-2. :func:`deliver` runs one engine backward through a helper node whose next
-   edges are the leaves' gradient accumulators: each accumulator runs once,
-   with the complete gradient (or none, as in a fused backward), so tensor
-   hooks, post-accumulate-grad hooks and AccumulateGrad node hooks fire
-   exactly as in a fused backward. Only user hooks can fail here.
+The weight side W runs is: *intermediates* (input-side nodes, called directly
+on the gradient that arrived at them in B), the weight-only nodes below them,
+and the leaves' gradient accumulators. It falls into *components*: weight-only
+nodes and accumulators joined by weight-only edges (a Linear's ``w.t()`` node
+and ``w``'s accumulator; a tied weight's transforms and its accumulator),
+merged where one ``register_multi_grad_hook`` spans several leaves. A
+component's gradients are final once every intermediate sending into it has
+been called.
+
+Each intermediate is called directly (no engine: its hooks already ran in B,
+nothing flows into other nodes and no saved tensor is freed), inside the
+backward of a tiny helper node whose engine task lists exactly the weight-side
+nodes as wanted: a built-in node asks the running task which of its outputs
+are needed (``task_should_compute_output``), so an intermediate skips its
+input-gradient GEMM. What the calls send is summed per edge the way the
+engine's input buffers sum (:func:`add_grad`).
+
+:func:`deliver_as_ready` hands each component, the moment it is complete, to
+one engine backward from its edges: every weight-only node runs once with its
+summed gradient and every accumulator once with its complete gradient, so
+hooks on weight-only nodes and tensors, tensor hooks on the leaves,
+post-accumulate-grad hooks and accumulator node hooks fire as in a fused
+backward, and AccumulateGrad applies its own layout rules (adopting a
+gradient as ``.grad`` or adding it in place). The gradients are freed as soon
+as they are accumulated: W holds one intermediate's outputs and the partial
+sums of components still waiting, never the stage's whole set of weight
+gradients. :func:`leaf_grads` computes the same totals without delivering
+them (for callers that copy gradients into buffers of their own).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -36,19 +44,23 @@ from gradsafe.pipelining._torch import (
     call_node,
     deferred_callbacks,
     grad_target,
+    multi_grad_hook_cells,
     queue_callback,
+    run_backward,
     silenced_tensor_hooks,
 )
 
 __all__ = [
     "EdgeKey",
     "GradSums",
+    "IntermediateFailed",
     "Kept",
     "OutputRoot",
+    "Progress",
     "Recorded",
     "WeightEdge",
     "add_grad",
-    "deliver",
+    "deliver_as_ready",
     "leaf_grads",
 ]
 
@@ -91,6 +103,31 @@ class OutputRoot(NamedTuple):
     grad: torch.Tensor
 
 
+class IntermediateFailed(Exception):
+    """torch raised while W called an intermediate directly (its saved tensors were freed, say)."""
+
+    def __init__(self, node: Node, cause: BaseException) -> None:
+        super().__init__(node.name())
+        self.node_name = node.name()
+        self.cause = cause
+
+
+@dataclasses.dataclass
+class Progress:
+    """How far :func:`deliver_as_ready` got; read it after an exception."""
+
+    #: Leaves W delivers into.
+    total: int = 0
+    #: Leaves whose engine backward completed: they hold this microbatch's gradient.
+    delivered: int = 0
+    #: Leaves in the engine backward that was running: each may or may not hold it.
+    under_way: int = 0
+
+
+def _is_sparse(t: torch.Tensor) -> bool:
+    return t.is_sparse or t.layout is torch.sparse_csr
+
+
 class GradSums(dict[EdgeKey, torch.Tensor]):
     """Gradients summed per edge, filled by :func:`add_grad`.
 
@@ -112,17 +149,26 @@ class GradSums(dict[EdgeKey, torch.Tensor]):
         self.meta: dict[EdgeKey, tuple[torch.Size, torch.dtype | None]] = {}
 
 
+def sum_grads(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` out of place, in the order the engine's input buffer adds them.
+
+    ATen adds a sparse gradient to a dense one but not the reverse, so a
+    sparse ``a`` goes second (sparse + sparse stays sparse), as in the engine.
+    """
+    return b + a if _is_sparse(a) else a + b
+
+
 def add_grad(
     sums: GradSums, node: Node, input_nr: int, grad: torch.Tensor | None, *, aliased: bool = False
-) -> None:
-    """Add ``grad`` to the sum at ``(node, input_nr)``.
+) -> bool:
+    """Add ``grad`` to the sum at edge ``(node, input_nr)``; whether the edge had none before.
 
     ``aliased``: ``grad`` may share memory with a gradient handed out elsewhere
     (B returned it as an input gradient): kept only as a copy, since W's pass
     hands what it holds to hooks, which may modify it in place.
     """
     if grad is None:
-        return
+        return False
     given = grad
     key = (node, input_nr)
     meta = sums.meta.get(key)
@@ -136,14 +182,16 @@ def add_grad(
     held = sums.get(key)
     if held is None:
         sums[key] = grad.clone() if aliased and grad is given else grad
-        return
+        return True
     owned = sums.owned.get(key)
-    if owned is not None and owned() is held:
+    if owned is not None and owned() is held and not _is_sparse(held):
+        # Dense += dense or dense += sparse, into a buffer only this object holds.
         held.add_(grad)
-        return
-    total = held + grad
+        return False
+    total = sum_grads(held, grad)
     sums[key] = total
     sums.owned[key] = weakref.ref(total)
+    return False
 
 
 def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
@@ -179,6 +227,63 @@ class _TaskScope(torch.autograd.Function):
         return None, None
 
 
+def _call_intermediates(
+    recorded: list[Recorded],
+    add: Callable[[Node, int, torch.Tensor | None, bool], object],
+    weight_nodes: Sequence[Node],
+    leaves: Sequence[Node],
+    after_call: Callable[[int], None] | None,
+) -> None:
+    """Call every recorded intermediate once, in B's order, passing what it sends to ``add``.
+
+    Consumes ``recorded``: each intermediate is dropped once called, so the
+    activations it saved are freed while W goes on. ``after_call(i)`` runs
+    after the i-th call, still inside the engine task. An exception from a
+    call is raised as :class:`IntermediateFailed`; one from ``after_call`` as is.
+    """
+    failure: list[BaseException] = []
+    recorded.reverse()
+
+    def work() -> None:
+        index = 0
+        try:
+            while recorded:
+                node, grads, edges = recorded.pop()
+                try:
+                    outputs = call_node(node, grads)
+                except Exception as exc:
+                    raise IntermediateFailed(node, exc) from exc
+                # A node may pass on what arrived at it (AddBackward, views):
+                # that gradient also went to the input side in B, and may be
+                # the input gradient B returned.
+                arrived = [g for g in grads if g is not None]
+                for output_index, target, target_nr in edges:
+                    out = outputs[output_index]
+                    add(target, target_nr, out, _shares_memory(out, arrived))
+                    del out
+                # Nothing of this call outlives it: its gradients are freed once delivered.
+                del node, grads, edges, outputs, arrived
+                if after_call is not None:
+                    after_call(index)
+                index += 1
+        except BaseException as exc:  # re-raised outside the engine, type intact
+            failure.append(exc)
+
+    anchor = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        scope = _TaskScope.apply(anchor, work)
+    # `inputs=` puts every weight-side node into the task's execution info
+    # (the anchor makes the helper node itself needed); input-side nodes
+    # are not in it, so the direct calls skip the outputs that go there.
+    wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
+    # The anchor's accumulator, the helper's one next edge, makes the helper needed.
+    run_backward(
+        [scope], [torch.ones(())], [GradientEdge(*scope.grad_fn.next_functions[0]), *wanted]
+    )  # type: ignore[union-attr]
+    if failure:
+        raise failure[0]
+
+
 def leaf_grads(
     recorded: list[Recorded],
     kept: Sequence[Kept],
@@ -186,66 +291,31 @@ def leaf_grads(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     leaf_tensors: Sequence[torch.Tensor],
-    callbacks: list[Callable[[], None]] | None = None,
 ) -> list[torch.Tensor | None]:
-    """Each leaf's total gradient (None where none arrives), in ``leaves`` order.
-
-    ``callbacks``: if given, end-of-backward callbacks that hooks queue in
-    the weight-only pass are appended there, for :func:`deliver` to queue in
-    its pass, instead of running when the weight-only pass ends.
+    """Each leaf's total gradient (None where none arrives), in ``leaves`` order, delivered nowhere.
 
     No parameter gradient changes. Hooks on weight-only nodes and tensors run
-    (once); hooks on the leaves do not (:func:`deliver` runs them). Consumes
-    ``recorded``: each intermediate is dropped once called, so the activations
-    it saved are freed while W goes on.
+    (once); hooks on the leaves do not. Holds every leaf's gradient at once
+    (they are the result).
     """
-    # Over 60 lines on purpose: its two engine passes (the recorded calls,
-    # then what they left for the weight-only nodes) fill one GradSums, in order.
     sums = GradSums()
-    failure: list[BaseException] = []
-    recorded.reverse()
-
-    def work() -> None:
-        try:
-            while recorded:
-                node, grads, edges = recorded.pop()
-                outputs = call_node(node, grads)
-                # A node may pass on what arrived at it (AddBackward, views):
-                # that gradient also went to the input side in B, and may be
-                # the input gradient B returned.
-                arrived = [g for g in grads if g is not None]
-                for output_index, target, target_nr in edges:
-                    out = outputs[output_index]
-                    add_grad(sums, target, target_nr, out, aliased=_shares_memory(out, arrived))
-                del node, grads, edges, outputs
-        except BaseException as exc:  # re-raised outside the engine, type intact
-            failure.append(exc)
-
     for node, nr, grad in output_roots:
         add_grad(sums, node, nr, grad)
     for grad, target, target_nr in kept:
         add_grad(sums, target, target_nr, grad)
     if recorded:
-        anchor = torch.zeros((), requires_grad=True)
-        with torch.enable_grad():
-            scope = _TaskScope.apply(anchor, work)
-        # `inputs=` puts every weight-side node into the task's execution info
-        # (the anchor makes the helper node itself needed); input-side nodes
-        # are not in it, so the direct calls skip the outputs that go there.
-        wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
-        torch.autograd.grad(scope, [anchor, *wanted], allow_unused=True)  # type: ignore[arg-type]
-        if failure:
-            raise failure[0]
+        _call_intermediates(
+            recorded,
+            lambda n, nr, g, aliased: add_grad(sums, n, nr, g, aliased=aliased),
+            weight_nodes,
+            leaves,
+            None,
+        )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
         roots = list(sums.items())
         sums.clear()
-        deferring = (
-            contextlib.nullcontext(None)
-            if callbacks is None
-            else deferred_callbacks(set(weight_nodes))
-        )
-        with silenced_tensor_hooks(leaf_tensors), deferring as held:
+        with silenced_tensor_hooks(leaf_tensors):
             # retain_graph: a weight-only part may be shared with a later
             # backward (e.g. a weight transform computed once per step).
             arrived = torch.autograd.grad(
@@ -256,14 +326,14 @@ def leaf_grads(
                 allow_unused=True,
             )
         del roots
-        if held:
-            callbacks.extend(held)  # type: ignore[union-attr]
-        totals = [b if a is None else a if b is None else a + b for a, b in zip(totals, arrived)]
+        totals = [
+            b if a is None else a if b is None else sum_grads(a, b) for a, b in zip(totals, arrived)
+        ]
     return totals
 
 
 class _Deliver(torch.autograd.Function):
-    """A helper node whose next edges are the leaves' accumulators; its backward hands them their grads."""
+    """A helper node whose next edges are leaves' accumulators; its backward hands them their grads."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -292,19 +362,163 @@ class _Deliver(torch.autograd.Function):
         return out
 
 
-def deliver(
-    leaves: Sequence[torch.Tensor],
-    grads: list[torch.Tensor | None],
-    callbacks: Sequence[Callable[[], None]] = (),
-) -> None:
-    """One engine backward that runs each leaf's AccumulateGrad once, with its hooks.
+def _components(
+    weight_nodes: Sequence[Node], leaves: Sequence[Node], leaf_tensors: Sequence[torch.Tensor]
+) -> dict[Node, Node]:
+    """Each weight-side node's component, named by one of its nodes (union-find)."""
+    parent: dict[Node, Node] = {}
 
-    ``grads`` is emptied: the accumulators take ownership of its tensors.
-    ``callbacks`` (held from the weight-only pass) run when this pass ends.
+    def find(node: Node) -> Node:
+        root = parent.setdefault(node, node)
+        while root is not parent[root]:
+            root = parent[root]
+        while node is not root:
+            parent[node], node = root, parent[node]
+        return root
+
+    def union(a: Node, b: Node) -> None:
+        ra, rb = find(a), find(b)
+        if ra is not rb:
+            parent[ra] = rb
+
+    for node in leaves:
+        parent[node] = node
+    for node in weight_nodes:
+        find(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                union(node, child)
+    # One multi-grad hook over several leaves fires once per engine backward
+    # that reaches them: deliver them together, as a fused backward does.
+    by_cell: dict[int, Node] = {}
+    for node, tensor in zip(leaves, leaf_tensors):
+        for cell in multi_grad_hook_cells(tensor):
+            other = by_cell.setdefault(cell, node)
+            if other is not node:
+                union(other, node)
+    return {node: find(node) for node in parent}
+
+
+def deliver_as_ready(
+    recorded: list[Recorded],
+    kept: Sequence[Kept],
+    output_roots: Sequence[OutputRoot],
+    weight_nodes: Sequence[Node],
+    leaves: Sequence[Node],
+    leaf_tensors: Sequence[torch.Tensor],
+    progress: Progress,
+) -> None:
+    """Compute and accumulate every leaf's gradient, each component as soon as it is complete.
+
+    Whatever stops it propagates (a direct call's error as
+    :class:`IntermediateFailed`; a hook's exception or torch's error from a
+    weight-only node or accumulator as is); ``progress`` then says how many
+    leaves already hold their gradient.
     """
-    if not leaves and not callbacks:
-        return
+    progress.total = len(leaves)
+    component = _components(weight_nodes, leaves, leaf_tensors)
+    leaf_of = dict(zip(leaves, leaf_tensors))
+    members: dict[Node, list[Node]] = {}
+    for node in leaves:
+        members.setdefault(component[node], []).append(node)
+    # Per intermediate, the components it sends into; per component, how many
+    # intermediates have yet to send.
+    sends = [{component[target] for _, target, _ in edges} for _, _, edges in recorded]
+    pending: dict[Node, int] = {}
+    for targets in sends:
+        for c in targets:
+            pending[c] = pending.get(c, 0) + 1
+    sums = GradSums()
+    edges_of: dict[Node, list[EdgeKey]] = {}
+
+    def add(node: Node, nr: int, grad: torch.Tensor | None, aliased: bool = False) -> None:
+        if add_grad(sums, node, nr, grad, aliased=aliased):
+            edges_of.setdefault(component[node], []).append((node, nr))
+
+    deferred: list[Node] = []
     anchor = torch.zeros((), requires_grad=True)
-    with torch.enable_grad():
-        root = _Deliver.apply(anchor, grads, callbacks, *leaves)
-    torch.autograd.backward([root], inputs=None)
+    one = torch.ones(())
+
+    def deliver(ready: Sequence[Node]) -> None:
+        roots: list[torch.Tensor | GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        to_leaves: list[torch.Tensor | None] = []
+        leaves_now: list[Node] = []
+        for c in ready:
+            for key in edges_of.pop(c, ()):
+                if key[0] not in leaf_of:
+                    roots.append(GradientEdge(*key))
+                    grads.append(sums.pop(key))
+            for leaf in members[c]:
+                to_leaves.append(sums.pop((leaf, 0), None))
+                leaves_now.append(leaf)
+        progress.under_way = len(leaves_now)
+        # Every leaf gets its accumulator run, with None if nothing arrived: a
+        # fused backward runs it too, and its hooks fire.
+        reached = {child for edge in roots for child, _ in edge.node.next_functions}  # type: ignore[union-attr]
+        if all(
+            leaf_of[leaf].grad is not None if grad is not None else leaf in reached
+            for leaf, grad in zip(leaves_now, to_leaves)
+        ):
+            # Each accumulator adds into the `.grad` it holds: straight from the engine's root.
+            for leaf, grad in zip(leaves_now, to_leaves):
+                if grad is not None:
+                    roots.append(GradientEdge(leaf, 0))
+                    grads.append(grad)
+        else:
+            # Through a helper node: the engine's root keeps its gradients
+            # referenced, which would keep AccumulateGrad from adopting one as
+            # `.grad` (a copy, and a second gradient's worth of memory).
+            with torch.enable_grad():
+                roots.append(
+                    _Deliver.apply(anchor, to_leaves, (), *(leaf_of[n] for n in leaves_now))
+                )
+            grads.append(one)
+        del to_leaves
+        # The graph is retained: a weight-only part may be shared with a later
+        # backward (e.g. a weight transform computed once per step).
+        run_backward(roots, grads)
+        progress.delivered += progress.under_way
+        progress.under_way = 0
+
+    def deliver_or_defer(ready: Sequence[Node]) -> None:
+        # A gradient delivered to a `.grad` that is None becomes that `.grad`:
+        # holding it until the end costs no memory, and one engine backward
+        # for all such components costs less than one each. One added into a
+        # `.grad` already held is a second buffer: delivered at once.
+        if any(leaf_of[leaf].grad is not None for c in ready for leaf in members[c]):
+            deliver(ready)
+        else:
+            deferred.extend(ready)
+
+    def after_call(index: int) -> None:
+        ready = []
+        for c in sends[index]:
+            left = pending[c] - 1
+            pending[c] = left
+            if left == 0:
+                ready.append(c)
+        sends[index] = set()
+        if ready:
+            deliver_or_defer(ready)
+
+    # End-of-backward callbacks that hooks queue run, in a fused backward,
+    # after every accumulator: W holds them through each component's pass and
+    # queues them in one last pass.
+    with deferred_callbacks({*weight_nodes, *leaves}) as held:
+        for node, nr, grad in output_roots:
+            add(node, nr, grad)
+        for grad, target, target_nr in kept:
+            add(target, target_nr, grad)
+        # What needs no intermediate goes first: kept gradients are freed early.
+        first = [c for c in members if c not in pending]
+        if first:
+            deliver_or_defer(first)
+        if recorded:
+            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
+        if deferred:
+            deliver(deferred)
+    if held:
+        with torch.enable_grad():
+            root = _Deliver.apply(anchor, [], held)
+        run_backward([root], [one])

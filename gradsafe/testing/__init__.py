@@ -11,6 +11,8 @@
   them without Megatron.
 * :func:`assert_split_exact` asserts that gradsafe's split backward (the B/W
   of zero-bubble schedules) gives a fused backward's gradients on a model.
+* :class:`LiveStorage` counts the tensor storage alive operator by operator
+  (and its peak), on any device, so memory conditions can be tests.
 """
 
 from gradsafe.testing._cuda_emulation import (
@@ -19,6 +21,7 @@ from gradsafe.testing._cuda_emulation import (
     EmulatedStream,
     emulate_cuda_graphs,
 )
+from gradsafe.testing._live_storage import LiveStorage
 from gradsafe.testing._split_exact import assert_split_exact
 from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 
@@ -27,6 +30,7 @@ __all__ = [
     "EmulatedEvent",
     "EmulatedStream",
     "HookCall",
+    "LiveStorage",
     "MegatronStyleDDP",
     "assert_split_exact",
     "emulate_cuda_graphs",

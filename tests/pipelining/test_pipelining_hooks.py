@@ -382,9 +382,6 @@ def test_multi_grad_hook_all_over_input_and_weight_only_nonleaf_is_refused_clean
 
 
 @pytest.mark.usefixtures("fp64")
-@pytest.mark.usefixtures("fp64")
-@pytest.mark.usefixtures("fp64")
-@pytest.mark.usefixtures("fp64")
 def test_parameter_hook_registered_by_a_weight_only_hook_runs_once() -> None:
     """A parameter hook registered by a weight-only tensor's hook during W runs once.
 
@@ -554,6 +551,45 @@ def test_callback_queued_by_a_weight_only_hook_sees_the_parameter_gradients() ->
     assert len(seen) == 1
     assert seen[0] is not None, "the callback ran before W delivered the parameter gradients"
     torch.testing.assert_close(seen[0], lin.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_callback_queued_in_one_component_runs_after_every_component_is_delivered(
+    split: bool,
+) -> None:
+    """A callback queued while W delivers one parameter sees every parameter's new gradient.
+
+    With ``.grad`` already held, W delivers each parameter group in its own engine backward as
+    soon as it is final (``w2``'s before ``w1``'s here). A callback queued by a hook in ``w2``'s
+    delivery must still run after ``w1`` got its gradient, as at the end of a fused backward.
+    """
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    w1 = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    w2 = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    for w in (w1, w2):
+        w.grad = torch.ones_like(w)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    seen: list[torch.Tensor] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            lambda: seen.append(w1.grad.clone())  # type: ignore[union-attr]
+        )
+
+    wt2 = w2 * 2
+    wt2.register_hook(hook)
+    out = torch.tanh(torch.tanh(x @ (w1 * 2)) @ wt2)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    if split:
+        _, handoff = stage_backward_input([out], [g], [x], [w1, w2])
+        stage_backward_weight([w1, w2], handoff)
+    else:
+        out.backward(g)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], w1.grad, rtol=0, atol=0)
+    assert not torch.equal(seen[0], torch.ones_like(w1)), "the callback ran before w1's delivery"
 
 
 @pytest.mark.usefixtures("fp64")

@@ -1,0 +1,71 @@
+"""Bytes of tensor storage alive, counted operator by operator (device-independent, no allocator)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveStorage"]
+
+
+class LiveStorage(TorchDispatchMode):
+    """Counts the storages operators create while the mode is active, as long as they live.
+
+    Every storage an operator's output uses is counted once, from the
+    operator that created it until the last tensor using it is freed;
+    storages of ``existing`` tensors (parameters, inputs) are never counted,
+    nor views of them. The count is read after every operator, so
+    :attr:`peak` is the most alive after any operator (a transient inside one
+    operator is not seen). Like any dispatch mode it sees operators run on
+    the thread that entered it, which includes the autograd engine's CPU work.
+
+    Example::
+
+        with LiveStorage(model.parameters()) as live:
+            loss = model(x).sum()
+            live.mark()
+            loss.backward()
+            print(live.live(), live.peak_since_mark)
+    """
+
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._existing = {t.untyped_storage()._cdata for t in existing}
+        #: The most bytes alive after any operator since the mode was entered.
+        self.peak = 0
+        #: The most bytes alive after any operator since the last :meth:`mark`.
+        self.peak_since_mark = 0
+
+    def live(self) -> int:
+        """Bytes of counted storages alive now."""
+        self._storages = {k: v for k, v in self._storages.items() if not v[0].expired()}
+        return sum(n for _, n in self._storages.values())
+
+    def mark(self) -> int:
+        """Start a new :attr:`peak_since_mark` window; returns the bytes alive now."""
+        now = self.live()
+        self.peak_since_mark = now
+        return now
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self._track(t.untyped_storage())
+            elif isinstance(t, torch.Tensor):
+                self._track(t._indices().untyped_storage())
+                self._track(t._values().untyped_storage())
+        now = self.live()
+        self.peak = max(self.peak, now)
+        self.peak_since_mark = max(self.peak_since_mark, now)
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self._storages and key not in self._existing:
+            self._storages[key] = (StorageWeakRef(storage), storage.nbytes())

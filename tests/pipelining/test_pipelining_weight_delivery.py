@@ -1,0 +1,98 @@
+"""W delivers each parameter's gradient as soon as it is final: what a failure part-way leaves.
+
+Misuse is refused before anything changes (validation needs no gradient: hand-off
+state, parameters, saved tensors freed by another backward). Once delivery has
+begun, a failure (a hook's exception, torch's error) leaves the parameters W had
+delivered with their new gradient and the others unchanged, the hand-off FAILED,
+and the exception says how many; a hook's exception keeps its type.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gradsafe.pipelining import (
+    HandoffState,
+    SplitBackwardError,
+    _weight_pass,
+    stage_backward_input,
+    stage_backward_weight,
+)
+
+
+class _HookError(Exception):
+    pass
+
+
+def _stage() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    return model, x, torch.randn(3, 4)
+
+
+def test_a_hook_raising_part_way_leaves_earlier_parameters_delivered() -> None:
+    model, x, g = _stage()
+    held = [torch.randn_like(p) for p in model.parameters()]
+    model(x).backward(g)  # the fused gradients, for comparison
+    fused = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    for p, h in zip(model.parameters(), held):
+        p.grad = h.clone()
+
+    def bad(grad: torch.Tensor) -> None:
+        raise _HookError("from a user hook")
+
+    model[2].weight.register_hook(bad)  # the middle layer: W delivers the last layer first
+    _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
+    with pytest.raises(_HookError) as info:
+        stage_backward_weight(model.parameters(), handoff)
+    if sys.version_info >= (3, 11):  # exception notes
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "delivered 2 of the 6 parameters" in notes, notes
+        assert "2 more were being delivered" in notes, notes
+    assert "delivered 2 of the 6 parameters" in notes and "2 more were being delivered" in notes, (
+        notes
+    )
+    assert handoff.state is HandoffState.FAILED
+    grads = dict(zip(("w0", "b0", "w1", "b1", "w2", "b2"), (p.grad for p in model.parameters())))
+    start = dict(zip(grads, held))
+    want = dict(zip(grads, fused))
+    for name in ("w2", "b2"):  # delivered before the failure
+        torch.testing.assert_close(grads[name], start[name] + want[name])
+    assert torch.equal(grads["w1"], start["w1"])  # its own hook raised before accumulation
+    for name in ("w0", "b0"):  # never reached
+        assert torch.equal(grads[name], start[name])
+    with pytest.raises(SplitBackwardError, match="already failed"):
+        stage_backward_weight(model.parameters(), handoff)
+
+
+def test_misuse_is_refused_before_any_gradient_changes() -> None:
+    model, x, g = _stage()
+    _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
+    with pytest.raises(SplitBackwardError, match="lack 2 of the 6 parameters"):
+        stage_backward_weight(list(model.parameters())[:4], handoff)
+    assert all(p.grad is None for p in model.parameters())
+    assert handoff.state is HandoffState.FAILED
+
+
+def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, x, g = _stage()
+    _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
+
+    def refuse(node: object, grads: object) -> None:
+        raise RuntimeError("this node cannot be called directly")
+
+    monkeypatch.setattr(_weight_pass, "call_node", refuse)
+    with pytest.raises(
+        SplitBackwardError, match="limit of gradsafe's split backward.*not a misuse"
+    ) as info:
+        stage_backward_weight(model.parameters(), handoff)
+    assert "hook" not in str(info.value)
+    assert "No parameter gradient has changed" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
