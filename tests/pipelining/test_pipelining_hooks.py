@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _hook_split import assert_same as _assert_same
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -284,44 +285,6 @@ def test_module_backward_hooks_fire_on_a_stage_whose_inputs_need_no_grad() -> No
     assert len(calls) == fused_calls == 2
     torch.testing.assert_close(lin.weight.grad, want[0])
     torch.testing.assert_close(lin.bias.grad, want[1])
-
-
-Forward = Callable[[nn.Parameter, nn.Parameter, torch.Tensor, list[Any]], torch.Tensor]
-
-
-def _run(forward: Forward, split: bool) -> list[Any]:
-    """One microbatch through ``forward`` (fused or B then W); the parameters' and input's
-    grads, and what the hooks recorded."""
-    torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(4, 4))
-    u = nn.Parameter(torch.randn(4, 4))
-    x = torch.randn(3, 4, requires_grad=True)
-    g = torch.randn(3, 4)
-    calls: list[Any] = []
-    out = forward(w, u, x, calls)
-    if split:
-        _, handoff = stage_backward_input([out], [g], [x], [w, u])
-        stage_backward_weight([w, u], handoff)
-    else:
-        out.backward(g)
-    return [x.grad, w.grad, u.grad, calls]
-
-
-def _assert_same(forward: Forward) -> None:
-    fused = _run(forward, split=False)
-    split = _run(forward, split=True)
-    assert len(split[3]) == len(fused[3]), (
-        f"hook calls: fused {len(fused[3])}, split {len(split[3])}"
-    )
-    for f, s in zip(fused[:3], split[:3]):
-        torch.testing.assert_close(s, f, rtol=0, atol=1e-12)
-    for f, s in zip(fused[3], split[3]):
-        for ft, st in zip(f, s):
-            assert (ft is None) == (st is None), (
-                "a hook saw None where a fused backward gives a gradient"
-            )
-            if ft is not None:
-                torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
 
 
 def _offload() -> Any:
