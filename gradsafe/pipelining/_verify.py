@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -201,7 +200,9 @@ def _report(
             got = {**res.params, **res.inputs}
             for name, want in wanted.items():
                 err, ok = (
-                    (None, None) if res.error is not None else _compare(want, got.get(name), tol)
+                    (None, None)
+                    if res.error is not None
+                    else _verify_run.compare(want, got.get(name), tol)
                 )
                 errors[name].setdefault(impl, {})[order] = err
                 oks[name].setdefault(impl, {})[order] = ok
@@ -280,23 +281,6 @@ def _worst_of(values: list[float | str | None]) -> float | str | None:
     if "None pattern" in values:
         return "None pattern"
     return max(v for v in values if isinstance(v, float))
-
-
-def _compare(
-    want: torch.Tensor | None, got: torch.Tensor | None, tol: float
-) -> tuple[float | str, bool]:
-    if (want is None) != (got is None):
-        return "None pattern", False
-    if want is None or got is None:
-        return 0.0, True
-    if got.shape != want.shape:
-        return "None pattern", False
-    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-    scale = float(want.double().abs().max()) if want.numel() else 0.0
-    if math.isnan(diff):
-        return float("nan"), False
-    rel = diff / scale if scale > 0 else diff
-    return rel, rel <= tol
 
 
 def _verdict(

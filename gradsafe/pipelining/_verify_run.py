@@ -13,6 +13,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -26,7 +27,16 @@ from gradsafe.pipelining._live_bytes import LiveBytes
 from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
 
-__all__ = ["ORDERS", "RunResult", "Split", "cast_module", "events", "projection_loss", "run"]
+__all__ = [
+    "ORDERS",
+    "RunResult",
+    "Split",
+    "cast_module",
+    "compare",
+    "events",
+    "projection_loss",
+    "run",
+]
 
 ORDERS: dict[str, str] = {
     "w-after-b": "each W right after its B",
@@ -365,3 +375,24 @@ def _hazards(
         for hazard, params in _verify_hazards.find(edges, stop, names).items():
             found.setdefault(hazard, set()).update(params)
     return found
+
+
+def compare(
+    want: torch.Tensor | None, got: torch.Tensor | None, tol: float
+) -> tuple[float | str, bool]:
+    """Relative max error of ``got`` against ``want`` and whether it is within ``tol``.
+
+    A missing gradient on one side only, or a shape mismatch, is a "None pattern".
+    """
+    if (want is None) != (got is None):
+        return "None pattern", False
+    if want is None or got is None:
+        return 0.0, True
+    if got.shape != want.shape:
+        return "None pattern", False
+    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    if math.isnan(diff):
+        return float("nan"), False
+    rel = diff / scale if scale > 0 else diff
+    return rel, rel <= tol

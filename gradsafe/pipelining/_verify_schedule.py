@@ -211,7 +211,7 @@ def verify_schedule(
                     continue
                 wrong = []
                 for name, got in out["grads"].items():
-                    err, ok = _compare(reference.params.get(name), got, tol)
+                    err, ok = _verify_run.compare(reference.params.get(name), got, tol)
                     errors.setdefault(name, {})[mode] = err
                     if not ok:
                         wrong.append(name)
@@ -219,19 +219,6 @@ def verify_schedule(
     return ScheduleReport(
         schedule, ranks, str(dtype).removeprefix("torch."), torch.__version__, tol, results, errors
     )
-
-
-def _compare(
-    want: torch.Tensor | None, got: torch.Tensor | None, tol: float
-) -> tuple[float | str, bool]:
-    if (want is None) != (got is None):
-        return "None pattern", False
-    if want is None or got is None:
-        return 0.0, True
-    scale = float(want.double().abs().max()) if want.numel() else 0.0
-    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-    rel = diff / scale if scale > 0 else diff
-    return rel, rel <= tol
 
 
 def _launch(
