@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, Final
@@ -69,7 +70,10 @@ def _reads_marker(module: types.ModuleType) -> bool:
 
 def plan() -> list[Target]:
     """The TE slot to wrap: none where TE is absent or its graph.py never reads the mark."""
-    if importlib.util.find_spec("transformer_engine") is None:
+    if (
+        "transformer_engine" not in sys.modules
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
         return []
     try:
         graph = importlib.import_module(_TE_GRAPH)
