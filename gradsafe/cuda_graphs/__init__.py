@@ -14,6 +14,7 @@ from __future__ import annotations
 from gradsafe.cuda_graphs._graphed import make_graphed_callables
 from gradsafe.cuda_graphs._ownership import Ownership
 from gradsafe.cuda_graphs._structure import UnsupportedTorchError
+from gradsafe.cuda_graphs._te import UnsupportedTransformerEngineError
 from gradsafe.cuda_graphs.capture_order import (
     CaptureEntry,
     CaptureOrder,
@@ -41,6 +42,7 @@ __all__ = [
     "SplitStageState",
     "TEOrder",
     "UnsupportedTorchError",
+    "UnsupportedTransformerEngineError",
     "make_graphed_callables",
     "make_graphed_split_callables",
 ]
