@@ -25,7 +25,7 @@ Hooks registered directly on autograd nodes (``Node.register_prehook``) are not
 visible to Python; ``"always"`` covers them.
 
 The same Function makes the callable's one-microbatch-at-a-time state loud
-(:class:`_Replays`): each call bumps the autograd version counter of its
+(:class:`Replays`): each call bumps the autograd version counter of its
 outputs (a replay rewrites the static output buffers in place, which autograd
 cannot see), so a tensor saved from an earlier call's output fails at unpack
 with torch's "modified by an inplace operation" error; and a backward whose
@@ -51,7 +51,7 @@ from gradsafe.cuda_graphs._autograd import (
     will_execute,
 )
 
-__all__ = ["Ownership", "owning_graphed", "OWNERSHIP_POLICIES"]
+__all__ = ["Ownership", "Replays", "owning_graphed", "OWNERSHIP_POLICIES"]
 
 Ownership: TypeAlias = Literal["auto", "always", "never"]
 OWNERSHIP_POLICIES: tuple[Ownership, ...] = ("auto", "always", "never")
@@ -123,7 +123,7 @@ def _owned(ctx: Any, static: tuple[Any, ...], policy: Ownership) -> tuple[Any, .
     return tuple(owned)
 
 
-class _Replays:
+class Replays:
     """How many times one graphed callable's forward graph was replayed: its static buffers hold the last.
 
     Each call is numbered (its generation). A backward may replay the backward
@@ -134,10 +134,18 @@ class _Replays:
     def __init__(self) -> None:
         self.latest = 0
 
-    def advance(self) -> int:
-        """Number a call that just replayed the forward graph."""
+    def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
+        """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
+        # The outputs are detached views of the static output buffers and share
+        # their version counter: tensors saved from an earlier call's outputs
+        # now fail at unpack instead of reading this call's values.
+        increment_version([o for o in outputs if isinstance(o, torch.Tensor)])
         self.latest += 1
-        return self.latest
+        ctx.gradsafe_generation = self.latest
+        # Also saved, so that a non-reentrant checkpoint's recomputation
+        # replaces it with the recomputed call's. On the CPU whatever the
+        # default device: reading it must not synchronise a GPU.
+        ctx.save_for_backward(torch.scalar_tensor(self.latest, dtype=torch.int64, device="cpu"))
 
     def check(self, ctx: Any) -> None:
         """Raise unless the static buffers hold the call whose backward ``ctx`` runs."""
@@ -171,7 +179,7 @@ def owning_graphed(
         raise ValueError(f"owning_graphed: policy must be 'auto' or 'always', got {policy!r}")
     upstream_forward = graphed_cls.forward
     upstream_backward = graphed_cls.backward
-    replays = _Replays()  # one per callable: graphed_cls is
+    replays = Replays()  # one per callable: graphed_cls is
 
     class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
         @staticmethod
@@ -190,12 +198,7 @@ def owning_graphed(
                 a if _is_gradsafe_graphed_output(a) else None for a in args
             )
             outputs = upstream_forward(ctx, *args)
-            # The outputs are detached views of the static output buffers and
-            # share their version counter; a kernel-free bump.
-            increment_version([o for o in outputs if isinstance(o, torch.Tensor)])
-            ctx.gradsafe_generation = replays.advance()
-            # Saved, so that a non-reentrant checkpoint's recomputation replaces it.
-            ctx.save_for_backward(torch.tensor(ctx.gradsafe_generation))
+            replays.stamp(ctx, outputs)
             return outputs
 
         @staticmethod

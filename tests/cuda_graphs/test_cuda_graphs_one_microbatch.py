@@ -66,15 +66,20 @@ def _run(
     order: str,
     wrap: Callable[[Model, Body], Callable[[torch.Tensor], torch.Tensor]],
     graph: Callable[[Env, Model], Body] | None,
+    allocated: bool = False,
 ) -> list[torch.Tensor]:
     """Gradients (parameters, then each microbatch's input) after running ``order``.
 
     ``order`` is a string like ``"F0 F1 B0 B1"``; ``wrap(model, body)`` builds
-    the step's loss function from ``body`` (graphed or not).
+    the step's loss function from ``body`` (graphed or not). ``allocated``:
+    every ``.grad`` starts as zeros, so upstream's aliasing of ``.grad`` (H3)
+    plays no part.
     """
     torch.manual_seed(1)
     model = Model(env)
     xs = [env.randn(2, 4, requires_grad=True) for _ in range(2)]
+    for t in [*model.parameters(), *xs] if allocated else []:
+        t.grad = torch.zeros_like(t)
     step = wrap(model, model.body if graph is None else graph(env, model))
     losses: dict[int, torch.Tensor] = {}
     for action in order.split():
@@ -95,16 +100,17 @@ def _body_only(model: Model, body: Body) -> Callable[[torch.Tensor], torch.Tenso
     return lambda x: (body(x).clone() @ model.head).pow(2).sum()
 
 
-def _assert_exact(env: Env, order: str, wrap: Any) -> None:
-    expected = _run(env, order, wrap, None)
-    got = _run(env, order, wrap, _graphed)
+def _assert_exact(env: Env, order: str, wrap: Any, allocated: bool = False) -> None:
+    expected = _run(env, order, wrap, None, allocated)
+    got = _run(env, order, wrap, _graphed, allocated)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("allocated", [False, True], ids=["grad-None", "grad-allocated"])
 @pytest.mark.parametrize("wrap", [_plain, _body_only], ids=["head-saves-output", "head-clones"])
-def test_each_backward_before_the_next_call_is_exact(env: Env, wrap: Any) -> None:
-    _assert_exact(env, "F0 B0 F1 B1", wrap)
+def test_each_backward_before_the_next_call_is_exact(env: Env, wrap: Any, allocated: bool) -> None:
+    _assert_exact(env, "F0 B0 F1 B1", wrap, allocated)
 
 
 def test_an_eager_consumer_of_an_earlier_calls_output_raises_torchs_inplace_error(env: Env) -> None:
@@ -114,12 +120,12 @@ def test_an_eager_consumer_of_an_earlier_calls_output_raises_torchs_inplace_erro
 
 
 def test_upstream_gives_the_interleaved_order_silently_wrong_gradients(env: Env) -> None:
-    expected = _run(env, "F0 F1 B0 B1", _body_only, None)
+    expected = _run(env, "F0 F1 B0 B1", _body_only, None, allocated=True)
 
     def upstream(env: Env, model: Model) -> Body:
         return _graphed(env, model, torch.cuda.graphs.make_graphed_callables)
 
-    got = _run(env, "F0 F1 B0 B1", _body_only, upstream)
+    got = _run(env, "F0 F1 B0 B1", _body_only, upstream, allocated=True)
     assert max((g - e).abs().max().item() for g, e in zip(got, expected)) > 1e-3
 
 
@@ -207,12 +213,12 @@ def test_checkpoint_does_not_cover_an_eager_consumer_outside_it(env: Env) -> Non
 
 
 def test_ownership_never_is_upstream_and_does_not_check(env: Env) -> None:
-    expected = _run(env, "F0 F1 B0 B1", _body_only, None)
+    expected = _run(env, "F0 F1 B0 B1", _body_only, None, allocated=True)
 
     def never(env: Env, model: Model) -> Body:
         return _graphed(env, model, lambda *a: make_graphed_callables(*a, ownership="never"))
 
-    got = _run(env, "F0 F1 B0 B1", _body_only, never)
+    got = _run(env, "F0 F1 B0 B1", _body_only, never, allocated=True)
     assert max((g - e).abs().max().item() for g, e in zip(got, expected)) > 1e-3
 
 
