@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from gradsafe.cuda_graphs import make_graphed_callables
 from gradsafe.cuda_graphs._ownership import Replays
 from gradsafe.testing import emulate_cuda_graphs
@@ -75,7 +76,11 @@ class _DelayedMatmul(torch.autograd.Function):
         return g @ w.t(), None, None
 
 
-CASES = ("F0 F1 B0 B1, head saves the output", "F0 F1 B0 B1, head reads a clone", "delayed W one behind")
+CASES = (
+    "F0 F1 B0 B1, head saves the output",
+    "F0 F1 B0 B1, head reads a clone",
+    "delayed W one behind",
+)
 
 
 def misuse_table(device: torch.device) -> None:
@@ -134,7 +139,9 @@ class _Plain(torch.autograd.Function):
 def cost_table(device: torch.device) -> None:
     x = torch.randn(8, 64, device=device, requires_grad=True)
     layer = torch.nn.Linear(64, 64).to(device)
-    graphed = make_graphed_callables(layer, (torch.randn(8, 64, device=device, requires_grad=True),))
+    graphed = make_graphed_callables(
+        layer, (torch.randn(8, 64, device=device, requires_grad=True),)
+    )
     cases = {
         "pass-through Function": lambda: _Plain.apply(x).sum().backward(),
         "same + gradsafe's checks": lambda: _Token.apply(x).sum().backward(),
@@ -156,7 +163,9 @@ def cost_table(device: torch.device) -> None:
     plain, token = results["pass-through Function"][1], results["same + gradsafe's checks"][1]
     added = statistics.median(token) - statistics.median(plain)
     whole = statistics.median(results["gradsafe graphed Linear(64,64)"][1])
-    print(f"added by the checks (median thread CPU): {added:.1f} us = {added / whole:.1%} of a graphed call")
+    print(
+        f"added by the checks (median thread CPU): {added:.1f} us = {added / whole:.1%} of a graphed call"
+    )
 
 
 def main() -> None:
