@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradsafe.patching import REGISTRY
 from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
+from gradsafe.wgrad._torch import autograd_version
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WeightGradClosure"]
@@ -57,7 +58,7 @@ class _Read:
     version: int
 
     def modified(self) -> bool:
-        return self.tensor._version != self.version
+        return autograd_version(self.tensor) != self.version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,7 @@ class PendingWeightGrads:
                         f"PendingWeightGrads.run: tensor {i} of reads= (shape "
                         f"{tuple(read.tensor.shape)}) of a delayed weight gradient for a parameter "
                         f"of shape {tuple(use.param.shape)} was modified in place since B recorded "
-                        f"it (autograd version {read.version}, now {read.tensor._version}), so W "
+                        f"it (autograd version {read.version}, now {autograd_version(read.tensor)}), so W "
                         "would compute with values of another microbatch or step. The usual cause: "
                         "the tensor is an output of a CUDA-graphed callable "
                         "(make_graphed_callables), whose next call rewrites its static output "
@@ -237,7 +238,7 @@ def _read(t: torch.Tensor) -> _Read:
             "torch.inference_mode()), which has no autograd version to check; pass tensors made "
             "outside inference mode"
         )
-    return _Read(t, t._version)
+    return _Read(t, autograd_version(t))
 
 
 _CAPTURED_OUTSIDE = (

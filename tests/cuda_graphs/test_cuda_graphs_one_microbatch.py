@@ -232,3 +232,29 @@ def test_each_call_bumps_the_version_counter_of_earlier_outputs(env: Env) -> Non
     view = h[0]
     body(x)
     assert h._version == view._version == version + 1
+
+
+def test_one_callable_called_twice_in_one_forward_raises(env: Env) -> None:
+    # A shared layer graphed once and applied twice: the second call rewrites
+    # the activations the first call's backward reads.
+    torch.manual_seed(1)
+    model = Model(env)
+    body = _graphed(env, model)
+    with pytest.raises(RuntimeError, match=STALE_CALL):
+        body(body(env.randn(2, 4, requires_grad=True))).sum().backward()
+
+
+def test_a_call_under_inference_mode_returns_normal_outputs_and_later_calls_stay_exact(
+    env: Env,
+) -> None:
+    torch.manual_seed(1)
+    model = Model(env)
+    body = _graphed(env, model)
+    with torch.inference_mode():
+        out = body(env.randn(2, 4))
+    assert not out.is_inference()
+    x = env.randn(2, 4, requires_grad=True)
+    (body(x) @ model.head).pow(2).sum().backward()
+    ref = x.detach().requires_grad_()
+    (model.body(ref) @ model.head).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
