@@ -258,3 +258,18 @@ def test_a_call_under_inference_mode_returns_normal_outputs_and_later_calls_stay
     ref = x.detach().requires_grad_()
     (model.body(ref) @ model.head).pow(2).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad)
+
+
+def _offloaded(model: Model, body: Body) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Saved tensors go through hooks (copies on the CPU): no version check at unpack.
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return (body(x) @ model.head).pow(2).sum()
+
+    return step
+
+
+def test_saved_tensor_hooks_keep_the_usual_order_exact_and_the_callable_checked(env: Env) -> None:
+    _assert_exact(env, "F0 B0 F1 B1", _offloaded)
+    with pytest.raises(RuntimeError, match=STALE_CALL):
+        _run(env, "F0 F1 B0 B1", _offloaded, _graphed)
