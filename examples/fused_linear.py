@@ -77,7 +77,9 @@ class _FusedLinearFunction(torch.autograd.Function):
 
         wgrad = None
         if ctx.store is not None:
-            ctx.store.record(weight, compute, accumulate_into_main_grad=ctx.fuse)
+            # reads=: W refuses if x or the gradient changed in place since B (e.g. x
+            # is a CUDA-graphed callable's output and the callable ran again).
+            ctx.store.record(weight, compute, accumulate_into_main_grad=ctx.fuse, reads=(x2, g2))
         elif ctx.fuse:
             compute(_main_grad(weight))
         else:

@@ -92,12 +92,21 @@ def make_graphed_callables(
               ``.grad`` kept allocated across microbatches this costs at most
               one parameter-sized copy per parameter per optimizer step.
             * ``"always"``: copy every returned gradient.
-            * ``"never"``: upstream's behaviour (static-buffer views).
+            * ``"never"``: upstream's behaviour (static-buffer views, and no
+              check of the call order below).
 
             A delayed-wgrad mark (:func:`gradsafe.wgrad.markers.mark_delayed_wgrad`,
             TransformerEngine's ``skip_backward_post_hook``) exempts nothing:
             a marked weight used inside the callable returns its real
             gradient here, so its slot follows the same rule.
+
+    A returned callable holds one microbatch at a time (its static buffers
+    hold its latest call). Unless ``ownership="never"``, each call bumps the
+    autograd version of its outputs, so a tensor saved from an earlier call's
+    output raises torch's in-place error at unpack, and a call's backward run
+    after a later call raises ``RuntimeError`` (docs/cuda_graphs.md, "What is
+    not owned"); ``torch.utils.checkpoint`` around the callable recomputes a
+    call before its backward, which is exact.
 
     Raises:
         UnsupportedTorchError: the installed torch builds graphed callables in

@@ -23,6 +23,13 @@ the same graph, and wrong wherever it is *kept*:
 
 Hooks registered directly on autograd nodes (``Node.register_prehook``) are not
 visible to Python; ``"always"`` covers them.
+
+The same Function makes the callable's one-microbatch-at-a-time state loud
+(:class:`Replays`): each call bumps the autograd version counter of its
+outputs (a replay rewrites the static output buffers in place, which autograd
+cannot see), so a tensor saved from an earlier call's output fails at unpack
+with torch's "modified by an inplace operation" error; and a backward whose
+call is no longer the last replay refuses to read the later call's activations.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import itertools
 from typing import Any, Literal
 
 import torch
+from torch.autograd.graph import increment_version
 from typing_extensions import TypeAlias
 
 from gradsafe.cuda_graphs._autograd import (
@@ -43,7 +51,7 @@ from gradsafe.cuda_graphs._autograd import (
     will_execute,
 )
 
-__all__ = ["Ownership", "owning_graphed", "OWNERSHIP_POLICIES"]
+__all__ = ["Ownership", "Replays", "owning_graphed", "OWNERSHIP_POLICIES"]
 
 Ownership: TypeAlias = Literal["auto", "always", "never"]
 OWNERSHIP_POLICIES: tuple[Ownership, ...] = ("auto", "always", "never")
@@ -115,6 +123,54 @@ def _owned(ctx: Any, static: tuple[Any, ...], policy: Ownership) -> tuple[Any, .
     return tuple(owned)
 
 
+class Replays:
+    """How many times one graphed callable's forward graph was replayed: its static buffers hold the last.
+
+    Each call is numbered (its generation). A backward may replay the backward
+    graph only for the last call: the static activations it reads are that
+    call's.
+    """
+
+    def __init__(self) -> None:
+        self.latest = 0
+
+    def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
+        """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
+        # The outputs are detached views of the static output buffers and share
+        # their version counter: tensors saved from an earlier call's outputs
+        # now fail at unpack instead of reading this call's values.
+        increment_version([o for o in outputs if isinstance(o, torch.Tensor)])
+        self.latest += 1
+        ctx.gradsafe_generation = self.latest
+        # Also saved, so that a non-reentrant checkpoint's recomputation
+        # replaces it with the recomputed call's. On the CPU whatever the
+        # default device: reading it must not synchronise a GPU.
+        ctx.save_for_backward(torch.scalar_tensor(self.latest, dtype=torch.int64, device="cpu"))
+
+    def check(self, ctx: Any) -> None:
+        """Raise unless the static buffers hold the call whose backward ``ctx`` runs."""
+        if ctx.gradsafe_generation == self.latest:
+            return
+        # Under a non-reentrant torch.utils.checkpoint, unpacking recomputes
+        # the call (a replay with the same inputs) and hands back the
+        # recomputed call's token instead: the buffers then hold this call again.
+        (token,) = ctx.saved_tensors
+        if int(token) == self.latest:
+            return
+        raise RuntimeError(
+            f"gradsafe.cuda_graphs: this backward belongs to call {ctx.gradsafe_generation} of a "
+            f"graphed callable, but the callable was called again since (its latest call is "
+            f"{self.latest}). Its backward graph reads the static activations the latest call's "
+            "replay wrote, so it would compute that call's gradients, not this one's. Run each "
+            "call's backward before the callable's next call (F0 B0 F1 B1); for several "
+            "microbatches in flight (1F1B, zero-bubble schedules) graph the stages with "
+            "gradsafe.cuda_graphs.make_graphed_split_callables (one graph per microbatch), or "
+            "recompute the call in its backward with torch.utils.checkpoint around the graphed "
+            "callable. Gradients already accumulated by this backward are incomplete: zero them "
+            "before redoing the step."
+        )
+
+
 def owning_graphed(
     graphed_cls: type[torch.autograd.Function], policy: Ownership
 ) -> type[torch.autograd.Function]:
@@ -123,6 +179,7 @@ def owning_graphed(
         raise ValueError(f"owning_graphed: policy must be 'auto' or 'always', got {policy!r}")
     upstream_forward = graphed_cls.forward
     upstream_backward = graphed_cls.backward
+    replays = Replays()  # one per callable: graphed_cls is
 
     class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
         @staticmethod
@@ -140,10 +197,13 @@ def owning_graphed(
             ctx.gradsafe_chained = tuple(
                 a if _is_gradsafe_graphed_output(a) else None for a in args
             )
-            return upstream_forward(ctx, *args)
+            outputs = upstream_forward(ctx, *args)
+            replays.stamp(ctx, outputs)
+            return outputs
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+            replays.check(ctx)
             # One slot per forward argument: checked when the callable was made.
             static = upstream_backward(ctx, *grads)
             if not isinstance(static, tuple):

@@ -72,6 +72,39 @@ def _index_put_through_nonzero(args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return bool(masks) and not (single_mask and args[2].numel() == 1 and not accumulate)
 
 
+def _one_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _on_device_of(value: torch.Tensor, self: torch.Tensor) -> bool:
+    # Every emulated tensor is on the CPU, the emulated device: there a value
+    # on self's device is the device tensor device-agnostic code makes.
+    return value.device == self.device
+
+
+def _setitem_with_mask(args: tuple[Any, ...]) -> bool:
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return bool(_masks(index))
+
+
+def _setitem_device_element(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    value = args[2]
+    return _setitem_with_mask(args) and _one_element(value) and _on_device_of(value, args[0])
+
+
+def _setitem_host_element(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    value = args[2]
+    return _setitem_with_mask(args) and _one_element(value) and value.device.type == "cpu"
+
+
+def _index_put_device_element(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return bool(_masks(args[1])) and args[2].device.type != "cpu"
+
+
+def _fill_value_on_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return _on_device_of(args[2], args[0])
+
+
 def _no_output_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return _arg(args, kwargs, 1, "output_size", None) is None
 
@@ -222,15 +255,27 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         "aten/src/ATen/native/cuda/SummaryOps.cu: _histc_cuda_template",
     ),
     Verdict(
-        "x.masked_fill(mask, value_tensor)",
+        "x.masked_fill(mask, device value tensor)",
         _A.masked_fill,
         _R,
-        "reads a device value tensor on the host (value.item())",
+        "reads the device value tensor on the host (value.item(); capture-safe: "
+        "torch.where(mask, v, x))",
         "aten/src/ATen/native/cuda/Indexing.cu: masked_fill__cuda(self, mask, const Tensor& value)",
         overload="Tensor",
-        emulated=_C,
-        assumption="captured when the value tensor is on the host; every emulated tensor is "
-        "on the CPU, so the emulator assumes a host value and lets it run",
+        applies=_fill_value_on_device,
+    ),
+    Verdict(
+        "x.masked_fill(mask, host value tensor)",
+        _A.masked_fill,
+        _C,
+        "value.item() reads host memory; the value is fixed at capture",
+        "aten/src/ATen/native/cuda/Indexing.cu: masked_fill__cuda(self, mask, const Tensor& value) "
+        "(a CPU value is allowed)",
+        overload="Tensor",
+        emulated=_R,
+        assumption="every emulated tensor is on the CPU, the emulated device, so the emulator "
+        "cannot tell a host value tensor from a device one and refuses both (row above); a "
+        "Python number is captured on both",
     ),
     # --- output size depends on device values
     Verdict(
@@ -337,11 +382,27 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         applies=_index_put_through_nonzero,
     ),
     Verdict(
-        "x[mask] = scalar",
+        "index_put_ with a mask and a one-element device tensor",
+        _A.index_put_,
+        _R,
+        "masked_fill_ takes only a value on the CPU; the mask goes through nonzero",
+        "aten/src/ATen/native/TensorAdvancedIndexingUtils.h: canDispatchToMaskedFill "
+        "(value.numel() == 1 && value.device().is_cpu()), else index_put_ via nonzero",
+        applies=_index_put_device_element,
+        emulated=_C,
+        assumption="at the aten level a Python number arrives as a one-element CPU tensor "
+        "(torch 2.11-2.14; 2.15 calls masked_fill_ instead), which the emulator cannot tell "
+        "from a device tensor, so a direct index_put_ call passes; x[mask] = tensor is decided "
+        "before, from the Python value (the Tensor.__setitem__ rows)",
+    ),
+    Verdict(
+        "x[mask] = Python number",
         _A.index_put_,
         _C,
-        "becomes masked_fill_ with a host scalar",
-        "aten/src/ATen/native/TensorAdvancedIndexing.cpp: index_put_ (canDispatchToMaskedFill)",
+        "the number becomes a one-element CPU tensor, and index_put_ masked_fill_ with its "
+        "host value",
+        "torch/csrc/autograd/python_variable_indexing.cpp: THPVariable_setitem (CUDA self: "
+        "valueToTensor on the CPU); TensorAdvancedIndexingUtils.h: canDispatchToMaskedFill",
     ),
     Verdict(
         "index_put (out of place) with a mask",
@@ -396,6 +457,32 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         _C,
         "the output size is given",
         "aten/src/ATen/native/cuda/Nonzero.cu: nonzero_static_cuda_out_impl (kernels only; the count stays on the device)",
+    ),
+    # --- decided by where the Python value lives, before aten dispatch
+    Verdict(
+        "x[mask] = one-element device tensor",
+        torch.Tensor.__setitem__,  # the same object as torch._C.TensorBase.__setitem__
+        _R,
+        "index_put_ dispatches to masked_fill_ only for a value on the CPU; otherwise the mask "
+        "goes through nonzero (capture-safe: torch.where(mask, v, x), or a Python number)",
+        "aten/src/ATen/native/TensorAdvancedIndexingUtils.h: canDispatchToMaskedFill "
+        "(value.numel() == 1 && value.device().is_cpu()), else index_put_ via nonzero "
+        "(TensorAdvancedIndexing.cpp)",
+        applies=_setitem_device_element,
+    ),
+    Verdict(
+        "x[mask] = one-element host tensor",
+        torch.Tensor.__setitem__,
+        _C,
+        "index_put_ becomes masked_fill_ with value.item(), a read of host memory; the value "
+        "is fixed at capture",
+        "aten/src/ATen/native/TensorAdvancedIndexingUtils.h: canDispatchToMaskedFill; "
+        "TensorAdvancedIndexing.cpp: _index_put_impl_ (masked_fill_(mask, value.item()))",
+        applies=_setitem_host_element,
+        emulated=_R,
+        assumption="every emulated tensor is on the CPU, the emulated device, so the emulator "
+        "cannot tell a host value tensor from a device one and refuses both (row above); a "
+        "Python number is captured on both",
     ),
     # --- host copies that bypass aten dispatch
     Verdict(

@@ -304,8 +304,10 @@ class RecordingMode(TorchDispatchMode):
 
 class HostReadRefusalMode(TorchFunctionMode):
     """Applies the verdict table's Python-level rows: host copies that bypass aten dispatch
-    (``tolist``, ``print``, ``cpu``, ``numpy``) are refused, and calls whose CPU kernel reads the
-    host where CUDA's does not (``one_hot(t, num_classes=k)``) run CUDA's algorithm instead.
+    (``tolist``, ``print``, ``cpu``, ``numpy``) and assignments decided by the Python value
+    (``x[mask] = t`` with a one-element tensor ``t``) are refused, and calls whose CPU kernel
+    reads the host where CUDA's does not (``one_hot(t, num_classes=k)``) run CUDA's algorithm
+    instead.
     """
 
     def __init__(self, refusal: CaptureRefusal) -> None:

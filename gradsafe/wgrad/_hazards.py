@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -58,7 +58,12 @@ class Recorder(Protocol):
     """Where B records delayed weight-gradient work."""
 
     def record(
-        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
+        self,
+        param: torch.Tensor,
+        compute: WeightGradClosure,
+        *,
+        accumulate_into_main_grad: bool,
+        reads: Iterable[torch.Tensor] = (),
     ) -> None: ...
 
 
@@ -103,7 +108,9 @@ class _ReproLinear(torch.autograd.Function):
 
         wgrad = None
         if ctx.store is not None:
-            ctx.store.record(weight, compute, accumulate_into_main_grad=ctx.fuse)
+            ctx.store.record(
+                weight, compute, accumulate_into_main_grad=ctx.fuse, reads=(x, grad_out)
+            )
         elif ctx.fuse:
             compute(weight.main_grad)  # type: ignore[attr-defined]
         else:
@@ -211,8 +218,14 @@ class TEStyleStore:
         self._hooks: dict[int, OrderedDict[int, GradReadyHook]] = {}
 
     def record(
-        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
+        self,
+        param: torch.Tensor,
+        compute: WeightGradClosure,
+        *,
+        accumulate_into_main_grad: bool,
+        reads: Iterable[torch.Tensor] = (),
     ) -> None:
+        # TransformerEngine checks nothing at W: reads is ignored.
         self._uses.append((param, compute, accumulate_into_main_grad))
 
     def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:

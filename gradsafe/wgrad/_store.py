@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradsafe.patching import REGISTRY
 from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
+from gradsafe.wgrad._torch import autograd_version
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
 __all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WeightGradClosure"]
@@ -50,11 +51,23 @@ GradReadyHook: TypeAlias = Callable[[torch.Tensor], None]
 
 
 @dataclasses.dataclass(frozen=True)
+class _Read:
+    """A tensor a closure reads at W, and its autograd version when B recorded the closure."""
+
+    tensor: torch.Tensor
+    version: int
+
+    def modified(self) -> bool:
+        return autograd_version(self.tensor) != self.version
+
+
+@dataclasses.dataclass(frozen=True)
 class _Use:
     param: torch.Tensor
     compute: WeightGradClosure
     accumulate_into_main_grad: bool
     captured: bool  # recorded while a CUDA graph was being captured
+    reads: tuple[_Read, ...]
 
 
 class _State(enum.Enum):
@@ -107,6 +120,7 @@ class PendingWeightGrads:
             if any(use.captured for use in self._uses) and not _graph_capture_underway():
                 raise RuntimeError(f"PendingWeightGrads.run: {_CAPTURED_OUTSIDE}")
             self._refuse_gradients_no_hook_would_take()
+            self._refuse_reads_modified_since_b()
             self._state = _State.RUNNING
         try:
             self._deliver()
@@ -138,6 +152,23 @@ class PendingWeightGrads:
                     "(gradsafe.wgrad.megatron.register_megatron_hook); with "
                     "gradsafe.testing.MegatronStyleDDP pass delay_wgrad_compute=True"
                 )
+
+    def _refuse_reads_modified_since_b(self) -> None:
+        for use in self._uses:
+            for i, read in enumerate(use.reads):
+                if read.modified():
+                    raise RuntimeError(
+                        f"PendingWeightGrads.run: tensor {i} of reads= (shape "
+                        f"{tuple(read.tensor.shape)}) of a delayed weight gradient for a parameter "
+                        f"of shape {tuple(use.param.shape)} was modified in place since B recorded "
+                        f"it (autograd version {read.version}, now {autograd_version(read.tensor)}), so W "
+                        "would compute with values of another microbatch or step. The usual cause: "
+                        "the tensor is an output of a CUDA-graphed callable "
+                        "(make_graphed_callables), whose next call rewrites its static output "
+                        "buffer. Run this W pass before whatever modified it (before the graphed "
+                        "callable's next call), or have the kernel read a copy (e.g. "
+                        "graphed(x).clone()). Nothing was applied; this pass stays unrun."
+                    )
 
     def _deliver(self) -> None:
         by_param: dict[int, list[_Use]] = {}
@@ -200,6 +231,16 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
         param.grad.add_(total)
 
 
+def _read(t: torch.Tensor) -> _Read:
+    if t.is_inference():
+        raise ValueError(
+            "WeightGradStore.record: reads= holds an inference tensor (made under "
+            "torch.inference_mode()), which has no autograd version to check; pass tensors made "
+            "outside inference mode"
+        )
+    return _Read(t, autograd_version(t))
+
+
 _CAPTURED_OUTSIDE = (
     "delayed weight gradients were recorded while a CUDA graph was captured and are used after "
     "the capture ended. A graph's replay runs no Python, so no replay records them again: a "
@@ -252,7 +293,12 @@ class WeightGradStore:
         self._hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def record(
-        self, param: torch.Tensor, compute: WeightGradClosure, *, accumulate_into_main_grad: bool
+        self,
+        param: torch.Tensor,
+        compute: WeightGradClosure,
+        *,
+        accumulate_into_main_grad: bool,
+        reads: Iterable[torch.Tensor] = (),
     ) -> None:
         """Record one use of ``param`` whose weight gradient ``compute`` produces at W time.
 
@@ -262,12 +308,24 @@ class WeightGradStore:
         if a data-parallel wrapper decides at construction which parameters to
         hook.
 
+        Args:
+            reads: the tensors ``compute`` reads (the layer's input and the
+                incoming gradient). A closure holds them by reference, so no
+                saved-tensor check runs at W; :meth:`PendingWeightGrads.run`
+                refuses, before applying anything, when one was modified in
+                place since this call (its autograd version moved: e.g. a
+                CUDA-graphed callable's output, which the callable's next call
+                rewrites).
+
         Raises:
+            ValueError: a tensor in ``reads`` is an inference tensor (it has
+                no version to check).
             RuntimeError: records made during a CUDA graph capture are still
                 open after it ended (a delayed kernel inside a graphed
                 callable): they are discarded. Records made, sealed and run
                 within one capture (a whole-step graph) are fine.
         """
+        read = tuple(_read(t) for t in reads)
         capturing = _graph_capture_underway()
         mark_delayed_wgrad(param)
         # An undelayed use of param in this backward delivers its gradient into
@@ -276,7 +334,7 @@ class WeightGradStore:
         with self._lock:
             if not capturing:
                 self._refuse_records_left_by_a_capture("record")
-            self._open.append(_Use(param, compute, accumulate_into_main_grad, capturing))
+            self._open.append(_Use(param, compute, accumulate_into_main_grad, capturing, read))
 
     def seal(self) -> PendingWeightGrads:
         """Freeze what was recorded since the last ``seal()`` into one W pass.

@@ -59,6 +59,12 @@ def _mask_put_scalar(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _mask_put_element(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[y > 1] = v
+    return y
+
+
 EXAMPLES: dict[str, Example] = {
     "t.item() / bool(t) / int(t) / float(t)": Example(_floats(2), lambda x: x.sum().item()),
     "torch.equal": Example(_floats(2), lambda x: torch.equal(x, x * 1)),
@@ -82,10 +88,14 @@ EXAMPLES: dict[str, Example] = {
     "torch.histc(x, min=a, max=b), a < b": Example(
         _floats(6), lambda x: torch.histc(x, bins=4, min=0.0, max=16.0), alter=_double
     ),
-    "x.masked_fill(mask, value_tensor)": Example(
+    "x.masked_fill(mask, device value tensor)": Example(
         lambda d: (torch.arange(4.0, device=d), torch.tensor(7.0, device=d)),
         lambda x, v: x.masked_fill(x > 1, v),
-        alter=lambda x, v: (x.mul_(2), v.fill_(5.0)),
+    ),
+    "x.masked_fill(mask, host value tensor)": Example(
+        lambda d: (torch.arange(4.0, device=d), torch.tensor(7.0)),
+        lambda x, v: x.masked_fill(x > 1, v),
+        alter=lambda x, v: x.mul_(2),  # v is read once, at capture
     ),
     "torch.nonzero / torch.where(cond)": Example(_floats(3), lambda x: torch.nonzero(x > 1)),
     "torch.nonzero(as_tuple=True) (numpy form)": Example(
@@ -113,7 +123,21 @@ EXAMPLES: dict[str, Example] = {
     ),
     "x[mask]": Example(_floats(3), lambda x: x[x > 1]),
     "x[mask] = values (not one host scalar)": Example(_floats(3), _masked_put),
-    "x[mask] = scalar": Example(_floats(4), _mask_put_scalar, alter=lambda x: x.sub_(1)),
+    "x[mask] = Python number": Example(_floats(4), _mask_put_scalar, alter=lambda x: x.sub_(1)),
+    "index_put_ with a mask and a one-element device tensor": Example(
+        _floats(4),
+        lambda x: x.clone().index_put_((x > 2,), torch.zeros((), device=x.device)),
+        alter=lambda x: x.sub_(1),
+    ),
+    "x[mask] = one-element device tensor": Example(
+        lambda d: (torch.arange(4.0, device=d), torch.tensor(7.0, device=d)),
+        _mask_put_element,
+    ),
+    "x[mask] = one-element host tensor": Example(
+        lambda d: (torch.arange(4.0, device=d), torch.tensor([7.0])),
+        _mask_put_element,
+        alter=lambda x, v: x.mul_(2),  # v is read once, at capture
+    ),
     "index_put (out of place) with a mask": Example(
         _floats(3), lambda x: torch.ops.aten.index_put(x, [x > 1], torch.zeros(2, device=x.device))
     ),
