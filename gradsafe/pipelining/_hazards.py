@@ -1,4 +1,4 @@
-"""H1's and H6's reproductions, written once: the doctor's rows, the tests and the benchmarks use them.
+"""H1's and H6's reproductions (H7's in ``_scaling_hazards``), written once: the doctor's rows, the tests and the benchmarks use them.
 
 Each H1 reproduction looks the split functions up in
 ``torch.distributed.pipelining._backward`` at call time, so the same code
@@ -9,15 +9,16 @@ backward inside itself, against gradient accumulation in one process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from gradsafe.checks import Check, Outcome, patched_check
+from gradsafe.pipelining._one_rank import one_rank_world
+from gradsafe.pipelining._scaling_hazards import shared_weight_scaled_once
 from gradsafe.pipelining._torch import split_backward_module
 
 __all__ = [
@@ -285,20 +286,6 @@ def accumulation_reference(inner: Callable[[], nn.Module] | None = None) -> Pipe
     return _result(modules, loss, fired)
 
 
-@contextlib.contextmanager
-def one_rank_world() -> Iterator[None]:
-    """A one-rank gloo process group in this process (refused where one exists already)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("a default process group exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def pipeline_step(
     schedule: str, inner: Callable[[], nn.Module] | None = None, stages: int = 2
 ) -> PipelineRun:
@@ -393,5 +380,6 @@ CHECKS: tuple[Check, ...] = tuple(
         ("H1 overlapping groups", lambda: compare_with_fused(ReusedAroundOther)),
         ("H1 hooks in W", hooks_fire_once_in_w),
         ("H6 schedule start-up", inference_leaves_no_trace),
+        ("H7 tied stages scaled once", shared_weight_scaled_once),
     )
 )

@@ -21,6 +21,11 @@ found by the methods it defines (:func:`_inference_targets`): a schedule-wide
 inference (``_PipelineSchedule._initialize_pp_stages``) with per-stage forward
 and backward inference and inputs made from metadata (2.13+), or a per-stage
 forward-only ``_shape_inference`` (2.11).
+
+The end-of-step gradient scaling divides a parameter several stages of one
+rank share once, after the last of them (hazard H7, see
+:mod:`gradsafe.pipelining._scaling`): multi-stage schedules register what
+their stages share when built, and each stage's ``scale_grads`` asks.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsafe.patching import AttrTarget, Skip, Target
-from gradsafe.pipelining import _backward, _inference, _stage, _torch
+from gradsafe.pipelining import _backward, _inference, _scaling, _stage, _torch
 
 __all__ = ["plan"]
 
@@ -51,6 +56,8 @@ _METADATA_INFERENCE = "_forward_metadata_inference"
 _SCHEDULE_INFERENCE = "_initialize_pp_stages"
 _STAGE_INFERENCE = (_METADATA_INFERENCE, "_backward_metadata_inference", "_shape_inference")
 _FROM_METADATA = "_to_tensor"
+# Called per stage at the end of a step to divide by n_microbatches (H7).
+_SCALE_GRADS = "scale_grads"
 # The stage must call these (zero-bubble schedules go through them).
 _REQUIRED_CALLS = ("stage_backward_input", "stage_backward_weight")
 
@@ -111,7 +118,7 @@ def plan() -> Sequence[Target] | Skip:
         for module in (_DEFINED_IN, _CALLED_FROM)
         for name, replacement in _OURS.items()
     ]
-    return [*targets, *_inference_targets(stage, schedules)]
+    return [*targets, *_inference_targets(stage, schedules), *_scaling_targets(stage, schedules)]
 
 
 def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
@@ -147,3 +154,21 @@ def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
             )
         )
     return targets
+
+
+def _scaling_targets(stage: Any, schedules: Any) -> list[Target]:
+    """Divide a parameter that several stages of a rank share once per step (hazard H7)."""
+    scale_grads = vars(stage._PipelineStageBase).get(_SCALE_GRADS)
+    multi_init = vars(schedules.PipelineScheduleMulti).get("__init__")
+    if scale_grads is None or multi_init is None:
+        return []
+    return [
+        AttrTarget(
+            _SCHEDULES, "PipelineScheduleMulti.__init__", _scaling.recording_shared(multi_init)
+        ),
+        AttrTarget(
+            _CALLED_FROM,
+            f"_PipelineStageBase.{_SCALE_GRADS}",
+            _scaling.once_per_gradient(scale_grads),
+        ),
+    ]

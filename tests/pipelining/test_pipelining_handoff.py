@@ -252,6 +252,7 @@ def test_hazard_reproductions_right_with_gradsafe_wrong_without() -> None:
         "H1 overlapping groups",
         "H1 hooks in W",
         "H6 schedule start-up",
+        "H7 tied stages scaled once",
     }
     for name, check in rows.items():
         assert check.gradsafe().correct is True, name
@@ -261,6 +262,7 @@ def test_hazard_reproductions_right_with_gradsafe_wrong_without() -> None:
         "H1 overlapping groups",
         "H1 hooks in W",
         "H6 schedule start-up",
+        "H7 tied stages scaled once",
     ):
         outcome = _outcome(rows[name].upstream)
         assert isinstance(outcome, RuntimeError) or outcome.correct is False, name

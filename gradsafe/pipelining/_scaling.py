@@ -1,0 +1,103 @@
+"""Gradient scaling at the end of a step, once per parameter however many stages of a rank hold it (H7).
+
+A multi-stage schedule ends each stage's part of a step with that stage's
+``scale_grads(n_microbatches)`` (through ``perform_reduce_grad``, right after
+the stage's last backward), which divides the gradient of every parameter of
+its module. A parameter two stages of one rank share -- the tied embedding and
+head of a V-shaped schedule (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``),
+where rank 0 holds the first and the last stage -- is divided once per stage,
+and the last stage's division comes while the first stage's backwards are
+still adding to it: neither the sum over microbatches nor its mean.
+
+gradsafe records, when a multi-stage schedule is built, which parameters its
+stages share (:class:`SharedParameters`). A shared parameter is divided once,
+by the ``scale_grads`` call that completes the set of stages holding it: all
+of them have run their last backward, so the gradient is the step's sum. Every
+other parameter is divided as torch does, when its stage asks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["SharedParameters", "SHARED", "once_per_gradient", "recording_shared"]
+
+
+@dataclasses.dataclass
+class _Shared:
+    """One parameter held by several stages: which of them asked for its division since the last one."""
+
+    stages: frozenset[int]  # ids of the stage objects of one schedule that hold it
+    asked: set[int] = dataclasses.field(default_factory=set)
+
+    def ask(self, stage: object) -> bool:
+        """Note ``stage``'s request; True when it completes the set (and starts the next step's)."""
+        self.asked.add(id(stage))
+        if self.asked >= self.stages:
+            self.asked.clear()
+            return True
+        return False
+
+
+class SharedParameters:
+    """The parameters the stages of one rank's schedules share, registered when a schedule is built."""
+
+    def __init__(self) -> None:
+        self._shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._lock = threading.Lock()
+
+    def register(self, stages: Sequence[Any]) -> None:
+        """Record which parameters several of ``stages`` (one schedule's) hold; a later schedule's win."""
+        holders: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        for stage in stages:
+            for param in stage.submod.parameters():
+                holders.setdefault(id(param), (param, set()))[1].add(id(stage))
+        with self._lock:
+            for param, ids in holders.values():
+                if len(ids) > 1:
+                    self._shared[param] = _Shared(frozenset(ids))
+
+    def divide_now(self, param: torch.Tensor, stage: object) -> bool:
+        """Whether ``stage``'s ``scale_grads`` divides ``param``'s gradient (False: another stage will)."""
+        with self._lock:
+            shared = self._shared.get(param)
+            if shared is None or id(stage) not in shared.stages:
+                return True
+            return shared.ask(stage)
+
+
+#: The one registry: a parameter is shared on this rank whatever schedule saw it.
+SHARED = SharedParameters()
+
+
+def recording_shared(original: Callable[..., None]) -> Callable[..., None]:
+    """``PipelineScheduleMulti.__init__`` that then registers the parameters its stages share."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        SHARED.register(self._stages)
+
+    return __init__
+
+
+def once_per_gradient(original: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+    """``_PipelineStageBase.scale_grads`` that divides a shared parameter once, after its last stage."""
+
+    @functools.wraps(original)
+    def scale_grads(self: Any, grad_scale_factor: int) -> None:
+        if grad_scale_factor == 1:
+            return
+        for param in self.submod.parameters():
+            # Asked even without a gradient: the set of stages must complete.
+            if SHARED.divide_now(param, self) and param.grad is not None:
+                param.grad.div_(grad_scale_factor)
+
+    return scale_grads

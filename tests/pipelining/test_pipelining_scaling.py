@@ -1,0 +1,88 @@
+"""H7: a parameter several stages of one rank share is divided once at the end of a step, as in a fused backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradsafe
+from gradsafe.pipelining._one_rank import one_rank_world
+from gradsafe.pipelining._scaling_hazards import (
+    shared_weight_scaled_once,
+    tied_stages_reference,
+    tied_stages_scaled,
+    tied_stages_step,
+)
+
+MULTI_STAGE = (
+    "ScheduleZBVZeroBubble",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleDualPipeV",
+)
+
+
+def _worst(got: dict, want: dict) -> float:
+    return max(float((got[k] - v).abs().max()) for k, v in want.items())
+
+
+def test_upstream_divides_a_tied_weight_once_per_stage() -> None:
+    outcome = shared_weight_scaled_once()
+    assert outcome.correct is False
+    assert "0.25x" in outcome.detail
+
+
+def test_the_step_end_divides_a_tied_weight_once_under_the_patch() -> None:
+    with gradsafe.patch("pipelining"):
+        assert shared_weight_scaled_once().correct is True
+        with one_rank_world():
+            got = tied_stages_scaled()
+    assert _worst(got, tied_stages_reference()) < 1e-14
+
+
+def _step(schedule: str) -> dict:
+    try:
+        with one_rank_world():
+            return tied_stages_step(schedule)
+    except RuntimeError as exc:
+        if "Pair is not connected" in str(exc) or "state_ >= CONNECTED" in str(exc):
+            pytest.skip("this torch cannot run two stages on one gloo rank")
+        raise
+
+
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+def test_a_real_step_with_tied_stages_equals_the_fused_backward(schedule: str) -> None:
+    reference = tied_stages_reference()
+    assert _worst(_step(schedule), reference) > 1e-3  # upstream: the last stage divides mid-step
+    with gradsafe.patch("pipelining"):
+        got = _step(schedule)
+    assert _worst(got, reference) < 1e-14
+
+
+def test_a_parameter_of_one_stage_is_divided_each_time_its_stage_asks() -> None:
+    from torch.distributed.pipelining import PipelineStage
+
+    lin = nn.Linear(2, 2)
+    with gradsafe.patch("pipelining"), one_rank_world():
+        stage = PipelineStage(lin, 0, 1, torch.device("cpu"))
+        lin.weight.grad = torch.full((2, 2), 8.0)
+        stage.scale_grads(2)
+        stage.scale_grads(2)  # as upstream: a second call divides again
+    assert torch.equal(lin.weight.grad, torch.full((2, 2), 2.0))
+
+
+def test_unpatch_restores_torchs_scaling() -> None:
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+
+    before = (
+        vars(stage._PipelineStageBase)["scale_grads"],
+        schedules.PipelineScheduleMulti.__init__,
+    )
+    with gradsafe.patch("pipelining"):
+        assert vars(stage._PipelineStageBase)["scale_grads"] is not before[0]
+    assert (
+        vars(stage._PipelineStageBase)["scale_grads"],
+        schedules.PipelineScheduleMulti.__init__,
+    ) == before
