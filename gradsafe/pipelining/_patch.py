@@ -24,8 +24,9 @@ forward-only ``_shape_inference`` (2.11).
 
 The end-of-step gradient scaling divides a parameter several stages of one
 rank share once, after the last of them (hazard H7, see
-:mod:`gradsafe.pipelining._scaling`): multi-stage schedules register what
-their stages share when built, and each stage's ``scale_grads`` asks.
+:mod:`gradsafe.pipelining._scaling`): a multi-stage schedule registers what
+its stages share when built and as each ``step`` starts, and each stage's
+``scale_grads`` asks.
 """
 
 from __future__ import annotations
@@ -159,12 +160,17 @@ def _inference_targets(stage: Any, schedules: Any) -> list[Target]:
 def _scaling_targets(stage: Any, schedules: Any) -> list[Target]:
     """Divide a parameter that several stages of a rank share once per step (hazard H7)."""
     scale_grads = vars(stage._PipelineStageBase).get(_SCALE_GRADS)
-    multi_init = vars(schedules.PipelineScheduleMulti).get("__init__")
-    if scale_grads is None or multi_init is None:
+    multi = vars(schedules.PipelineScheduleMulti)
+    if scale_grads is None or "__init__" not in multi or "step" not in multi:
         return []
     return [
         AttrTarget(
-            _SCHEDULES, "PipelineScheduleMulti.__init__", _scaling.recording_shared(multi_init)
+            _SCHEDULES,
+            "PipelineScheduleMulti.__init__",
+            _scaling.registering_at_init(multi["__init__"]),
+        ),
+        AttrTarget(
+            _SCHEDULES, "PipelineScheduleMulti.step", _scaling.registering_at_step(multi["step"])
         ),
         AttrTarget(
             _CALLED_FROM,

@@ -9,8 +9,10 @@ where rank 0 holds the first and the last stage -- is divided once per stage,
 and the last stage's division comes while the first stage's backwards are
 still adding to it: neither the sum over microbatches nor its mean.
 
-gradsafe records, when a multi-stage schedule is built, which parameters its
-stages share (:class:`SharedParameters`). A shared parameter is divided once,
+gradsafe records which parameters a multi-stage schedule's stages share
+(:class:`SharedParameters`) when the schedule is built and again as each
+``step`` starts (so a schedule built before ``gradsafe.patch()`` is covered,
+and a step that raised part-way leaves nothing behind). A shared parameter is divided once,
 by the ``scale_grads`` call that completes the set of stages holding it: all
 of them have run their last backward, so the gradient is the step's sum. Every
 other parameter is divided as torch does, when its stage asks.
@@ -27,7 +29,13 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["SharedParameters", "SHARED", "once_per_gradient", "recording_shared"]
+__all__ = [
+    "SHARED",
+    "SharedParameters",
+    "once_per_gradient",
+    "registering_at_init",
+    "registering_at_step",
+]
 
 
 @dataclasses.dataclass
@@ -47,14 +55,14 @@ class _Shared:
 
 
 class SharedParameters:
-    """The parameters the stages of one rank's schedules share, registered when a schedule is built."""
+    """The parameters the stages of one rank's schedules share, registered per schedule."""
 
     def __init__(self) -> None:
         self._shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._lock = threading.Lock()
 
     def register(self, stages: Sequence[Any]) -> None:
-        """Record which parameters several of ``stages`` (one schedule's) hold; a later schedule's win."""
+        """Record which parameters several of ``stages`` (one schedule's) hold, none asked yet."""
         holders: dict[int, tuple[torch.Tensor, set[int]]] = {}
         for stage in stages:
             for param in stage.submod.parameters():
@@ -77,7 +85,7 @@ class SharedParameters:
 SHARED = SharedParameters()
 
 
-def recording_shared(original: Callable[..., None]) -> Callable[..., None]:
+def registering_at_init(original: Callable[..., None]) -> Callable[..., None]:
     """``PipelineScheduleMulti.__init__`` that then registers the parameters its stages share."""
 
     @functools.wraps(original)
@@ -86,6 +94,17 @@ def recording_shared(original: Callable[..., None]) -> Callable[..., None]:
         SHARED.register(self._stages)
 
     return __init__
+
+
+def registering_at_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``PipelineScheduleMulti.step`` that first registers the parameters its stages share afresh."""
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        SHARED.register(self._stages)
+        return original(self, *args, **kwargs)
+
+    return step
 
 
 def once_per_gradient(original: Callable[[Any, int], None]) -> Callable[[Any, int], None]:

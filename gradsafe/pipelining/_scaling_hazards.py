@@ -91,7 +91,7 @@ def tied_stages_scaled() -> dict[str, torch.Tensor | None]:
     The schedule (``ScheduleInterleaved1F1B`` over both stages) is built but
     not stepped, so this runs on every supported torch: the backwards run
     here, then each stage's ``perform_reduce_grad``, the last stage's first
-    (its last backward comes first). Needs a process group
+    (its last backward comes first), as a multi-stage step ends. Needs a process group
     (:func:`~gradsafe.pipelining._one_rank.one_rank_world`).
     """
     from torch.distributed.pipelining import PipelineStage, schedules
