@@ -389,9 +389,10 @@ class WeightGradStore:
     def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:
         """Call ``hook(param)`` in each W pass that computes ``param``'s gradient, once it is complete.
 
-        Marks ``param`` as delayed. Only W fires these hooks: a parameter used
-        without delay in some microbatch needs an AccumulateGrad hook for that
-        one instead.
+        Marks ``param`` as delayed. Only W fires these hooks: an undelayed
+        use's gradient that reaches ``.grad`` when no W pass awaits
+        (:meth:`awaits_w` False) needs a post-accumulate-grad hook for it, as
+        :func:`~gradsafe.wgrad.register_megatron_hook` adds.
         """
         mark_delayed_wgrad(param)
         hooks = self._hooks.get(param)

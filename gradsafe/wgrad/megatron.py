@@ -130,7 +130,10 @@ def register_megatron_hook(
         p = param_ref()
         if p is None or p.grad is None or store.awaits_w(p):
             return  # nothing arrived (a delayed B), or a W pass still to run adds it
-        grad_ready(p)
+        # Not grad_ready's check: Megatron's hook returns at once, leaving
+        # .grad, while Megatron captures a CUDA graph (TransformerEngine's
+        # warm-up backward included), as its AccumulateGrad hooks do.
+        hook()
 
     handle = _Both(
         store.register_grad_ready_hook(param, grad_ready),

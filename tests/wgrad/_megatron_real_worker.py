@@ -442,7 +442,45 @@ def _probes(fused_linear: Any) -> dict[str, tuple[object, object]]:
         net.weight.zero_out_wgrad = True
         net(torch.ones(2, WIDTH)).sum().backward()
         probes["zero_out_wgrad adds"].append(net.weight.main_grad.abs().sum().item())
+    probes["capture window"] = _capture_window(fused_linear)
     return {k: (v[0], v[1]) for k, v in probes.items()}
+
+
+def _capture_window(fused_linear: Any) -> list[object]:
+    """An undelayed gradient no W awaits, inside Megatron's CUDA-graph capture window (TE's warm-up).
+
+    Megatron's hooks return at once there; gradsafe's route must leave .grad
+    as it is and raise nothing. Returns, real then emulated: (outcome, .grad kept, main_grad untouched).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.transformer import TransformerConfig, cuda_graphs
+
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad import WeightGradStore
+
+    found: list[object] = []
+    for real in (True, False):
+        net = TiedNet(fused_linear, WeightGradStore(), fused=False)
+        config = {"overlap_grad_reduce": True, "delay_wgrad_compute": True}
+        if real:
+            DistributedDataParallel(
+                TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
+                DistributedDataParallelConfig(**config),
+                net,
+            )
+            cuda_graphs._set_capture_start()
+            window: Any = contextlib.ExitStack()
+            window.callback(cuda_graphs._set_capture_end)
+        else:
+            window = MegatronStyleDDP(net, **config).graph_capture()
+        with window:
+            outcome = _outcome(lambda net=net: net.first(torch.tensor([1, 2])).sum().backward())
+        weight = net.head.weight
+        found.append((outcome, weight.grad is not None, not weight.main_grad.any()))
+    return found
 
 
 def main() -> None:

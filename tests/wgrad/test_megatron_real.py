@@ -103,6 +103,9 @@ def test_zero_grad_buffer_and_zero_out_wgrad_match(ranks) -> None:  # type: igno
         assert probes["stale .grad kept"] == (True, True)
         real, emu = probes["zero_out_wgrad adds"]
         assert real == emu and real > 0
+        # gradsafe's hook for an undelayed gradient no W awaits, inside Megatron's
+        # CUDA-graph capture window: Megatron's hook returns at once, .grad stays.
+        assert probes["capture window"] == (("ok", True, True), ("ok", True, True))
 
 
 def test_a_tied_embedding_backward_after_the_heads_last_w_is_exact_under_real_megatron(

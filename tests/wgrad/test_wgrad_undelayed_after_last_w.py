@@ -229,3 +229,20 @@ def test_awaits_w_is_false_for_a_pass_that_failed_or_was_dropped_unrun() -> None
     assert store.awaits_w(p)
     del dropped
     assert not store.awaits_w(p)
+
+
+def test_inside_megatrons_graph_capture_window_the_undelayed_gradient_stays_in_grad() -> None:
+    # TransformerEngine's warm-up backward fills .grad there and reads it back;
+    # Megatron's hooks return at once, so gradsafe's route must not raise or move it.
+    store = WeightGradStore()
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    mark_delayed_wgrad(p)
+    ddp = MegatronStyleDDP(
+        module_of([p], store), delay_wgrad_compute=True, overlap_grad_reduce=True
+    )
+    with ddp.graph_capture():
+        (p * 2.0).sum().backward()
+    assert p.grad is not None and ddp.calls(p) == () and not p.main_grad.any()
+    p.grad = None
+    (p * 2.0).sum().backward()  # outside the window: the hook fires
+    assert len(ddp.calls(p)) == 1 and p.grad is None
