@@ -20,6 +20,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 from gradsafe.testing import MegatronStyleDDP, module_of
@@ -246,3 +247,30 @@ def test_inside_megatrons_graph_capture_window_the_undelayed_gradient_stays_in_g
     p.grad = None
     (p * 2.0).sum().backward()  # outside the window: the hook fires
     assert len(ddp.calls(p)) == 1 and p.grad is None
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_an_undelayed_use_in_a_checkpoint_after_the_delayed_use_is_exact(
+    example, reentrant: bool, fused: bool
+) -> None:  # type: ignore[no-untyped-def]
+    # A reentrant checkpoint's nested backward runs the weight's AccumulateGrad
+    # before the delayed use (nearer the input) has recorded: no W awaits yet,
+    # so the hook fires for it there, and W's hook again for the delayed part.
+    torch.manual_seed(0)
+    store = WeightGradStore()
+    lin = example.FusedLinear(
+        5, 5, accumulate_into_main_grad=fused, wgrad_store=store, dtype=torch.float64
+    )
+    weight = lin.weight
+    ddp = MegatronStyleDDP(lin, delay_wgrad_compute=True, overlap_grad_reduce=True)
+    ref = weight.detach().clone().requires_grad_()
+    for _ in range(3):
+        x = torch.randn(3, 5, dtype=torch.float64)
+        hidden = torch.tanh(lin(x))
+        out = checkpoint(lambda h: torch.tanh(h @ weight), hidden, use_reentrant=reentrant)
+        out.pow(2).sum().backward()
+        store.seal().run()
+        torch.tanh(torch.tanh(x @ ref.t()) @ ref).pow(2).sum().backward()
+    assert weight.grad is None and len(ddp.calls(weight)) == (6 if reentrant else 3)
+    torch.testing.assert_close(weight.main_grad, ref.grad, rtol=0, atol=1e-14)
