@@ -20,7 +20,8 @@
 
 Where it differs from Megatron: no buckets, no reduction, no ``no_sync`` and
 no grad-ready counting (``overlap_grad_reduce`` only adds the assert); hooks
-also run during CUDA-graph capture (Megatron's return at once); it does not
+return at once only inside :meth:`~MegatronStyleDDP.graph_capture` (Megatron's
+own capture flag, which it sets around its CUDA-graph capture); it does not
 wrap ``forward``; ``grad_added_flag=False`` (no flag) is not a Megatron mode.
 
 Every hook call is recorded (:class:`HookCall`), so a test can check what
@@ -32,9 +33,10 @@ thread it ran on, and whether ``.grad`` was None.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -122,6 +124,7 @@ class MegatronStyleDDP:
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self._overlap = overlap_grad_reduce
         self._snapshots = snapshots
+        self._capturing = False
         self._calls: dict[int, list[HookCall]] = {id(p): [] for p in self.params}
         # A parameter holds its AccumulateGrad node only weakly: keep the nodes
         # (and their hooks) alive, as Megatron does.
@@ -150,6 +153,8 @@ class MegatronStyleDDP:
 
         # Called with () through a module, with (grad_in, grad_out) as an AccumulateGrad post-hook.
         def hook(*_: object) -> None:
+            if self._capturing:
+                return  # Megatron: `if is_graph_capturing(): return`
             grad_was_none = p.grad is None
             if self._overlap and grad_was_none:
                 # Megatron asserts here before marking the parameter ready for the reduction.
@@ -166,6 +171,21 @@ class MegatronStyleDDP:
             calls.append(HookCall(threading.get_ident(), grad_was_none, snapshot))
 
         return hook
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Megatron's CUDA-graph capture window: every hook returns at once, touching nothing.
+
+        Megatron-core sets its capturing flag (``_set_capture_start`` ...
+        ``_set_capture_end``) around the whole capture, TransformerEngine's
+        warm-up backward passes included, and its hooks return at once while
+        it is set; wrap the graphing call in this to do the same.
+        """
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
 
     def calls(self, param: torch.Tensor) -> tuple[HookCall, ...]:
         """Every hook call for ``param`` since the last :meth:`zero_grad_buffer`, oldest first."""

@@ -78,6 +78,8 @@ class DelayedStore(Recorder, Protocol):
         self, param: torch.Tensor, hook: GradReadyHook
     ) -> RemovableHandle: ...
 
+    def awaits_w(self, param: torch.Tensor) -> bool: ...
+
 
 class _ReproLinear(torch.autograd.Function):
     @staticmethod
@@ -238,6 +240,11 @@ class TEStyleStore:
     def seal(self) -> _TEPending:
         uses, self._uses = self._uses, []
         return _TEPending(uses, self._hooks)
+
+    def awaits_w(self, param: torch.Tensor) -> bool:
+        # TransformerEngine fires a delayed weight's hooks only in its W pass
+        # (backward_dw): an undelayed use's gradient always waits for one.
+        return True
 
 
 def unwatched_policy(

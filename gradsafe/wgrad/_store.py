@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TypeAlias
@@ -89,6 +90,8 @@ class PendingWeightGrads:
         self._hooks = hooks
         self._state = _State.SEALED
         self._claim = threading.Lock()  # run() from two threads: exactly one runs the pass
+        # Parameters this pass has yet to deliver (ids: the uses hold the parameters until then).
+        self._undelivered = {id(use.param) for use in uses}
 
     def __len__(self) -> int:
         """Number of recorded weight uses."""
@@ -97,6 +100,10 @@ class PendingWeightGrads:
     @property
     def done(self) -> bool:
         return self._state is _State.DONE
+
+    def _will_deliver(self, param: torch.Tensor) -> bool:
+        # A failed pass never runs again: it delivers nothing more.
+        return self._state in _UNFINISHED and id(param) in self._undelivered
 
     def run(self) -> None:
         """Compute every recorded weight gradient and deliver it, parameter by parameter.
@@ -185,6 +192,7 @@ class PendingWeightGrads:
                 if unfused:
                     _accumulate_into_grad(param, unfused)
                     flag_grad_written(param)
+                self._undelivered.discard(id(param))
                 hooks = self._hooks.get(param)
                 if hooks:
                     if param.grad is None:
@@ -241,6 +249,8 @@ def _read(t: torch.Tensor) -> _Read:
     return _Read(t, autograd_version(t))
 
 
+_UNFINISHED = (_State.SEALED, _State.RUNNING)
+
 _CAPTURED_OUTSIDE = (
     "delayed weight gradients were recorded while a CUDA graph was captured and are used after "
     "the capture ended. A graph's replay runs no Python, so no replay records them again: a "
@@ -291,6 +301,8 @@ class WeightGradStore:
         self._open: list[_Use] = []
         self._lock = threading.Lock()
         self._hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Sealed passes not yet finished; one dropped unrun delivers nothing, and leaves.
+        self._sealed: weakref.WeakSet[PendingWeightGrads] = weakref.WeakSet()
 
     def record(
         self,
@@ -347,7 +359,25 @@ class WeightGradStore:
             if not capturing:
                 self._refuse_records_left_by_a_capture("seal")
             uses, self._open = tuple(self._open), []
-        return PendingWeightGrads(uses, self._hooks)
+            pending = PendingWeightGrads(uses, self._hooks)
+            for finished in [p for p in self._sealed if p._state not in _UNFINISHED]:
+                self._sealed.discard(finished)
+            self._sealed.add(pending)
+        return pending
+
+    def awaits_w(self, param: torch.Tensor) -> bool:
+        """Whether a use of ``param`` recorded in this store still waits for the W pass that delivers it.
+
+        True from :meth:`record` until a W pass has accumulated ``param``'s
+        gradient (the use is open, or sealed in a pass not yet run or still
+        running). False once no recorded use waits: no W pass this store
+        knows of will touch ``param`` (a later B may still record one). A pass
+        that failed, or was dropped unrun, delivers nothing more.
+        """
+        with self._lock:
+            if any(use.param is param for use in self._open):
+                return True
+            return any(p._will_deliver(param) for p in self._sealed)
 
     def _refuse_records_left_by_a_capture(self, what: str) -> None:
         if any(use.captured for use in self._open):
@@ -359,9 +389,10 @@ class WeightGradStore:
     def register_grad_ready_hook(self, param: torch.Tensor, hook: GradReadyHook) -> RemovableHandle:
         """Call ``hook(param)`` in each W pass that computes ``param``'s gradient, once it is complete.
 
-        Marks ``param`` as delayed. Only W fires these hooks: a parameter used
-        without delay in some microbatch needs an AccumulateGrad hook for that
-        one instead.
+        Marks ``param`` as delayed. Only W fires these hooks: an undelayed
+        use's gradient that reaches ``.grad`` when no W pass awaits
+        (:meth:`awaits_w` False) needs a post-accumulate-grad hook for it, as
+        :func:`~gradsafe.wgrad.register_megatron_hook` adds.
         """
         mark_delayed_wgrad(param)
         hooks = self._hooks.get(param)

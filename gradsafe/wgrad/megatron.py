@@ -26,10 +26,20 @@ with ``.grad`` None (an ``AssertionError`` under ``overlap_grad_reduce``;
 without it, W's gradient would stay in ``.grad``, which
 :meth:`~gradsafe.wgrad.PendingWeightGrads.run` refuses rather than leave
 ``main_grad`` short).
+
+An undelayed use of a delayed parameter (a tied embedding next to a delayed
+head) puts its gradient into ``.grad`` through AccumulateGrad, which DDP does
+not hook for such a parameter. While the store holds a use of the parameter
+that no W pass has delivered yet, that W pass's hook adds ``.grad``. When none
+does (the use's backward ran after the parameter's last W pass so far: a
+ZBV rank's first stage after its last stage's W), nothing else would ever add
+it, so the hook fires from the parameter's post-accumulate-grad hook at once,
+as DDP's AccumulateGrad hook would for an undelayed parameter.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -52,6 +62,19 @@ class GradReadyRegistry(Protocol):
         self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]
     ) -> Removable: ...
 
+    def awaits_w(self, param: torch.Tensor) -> bool: ...
+
+
+class _Both:
+    """Removes the W-pass hook and the post-accumulate-grad hook of one Megatron hook."""
+
+    def __init__(self, *handles: Removable) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
 
 # One Megatron hook per parameter: the handle of the one now registered.
 _handles: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -62,9 +85,15 @@ def register_megatron_hook(
 ) -> Removable:
     """Fire Megatron-core DDP's grad-ready ``hook`` for ``param`` in each of ``store``'s W passes that computes it.
 
+    Also fire it when an undelayed use's gradient reaches ``param.grad``
+    (``param``'s post-accumulate-grad hook) and no use of ``param`` in
+    ``store`` awaits a W pass (:meth:`~gradsafe.wgrad.WeightGradStore.awaits_w`),
+    which would otherwise add it: so ``main_grad`` holds every gradient of the
+    step whatever order the undelayed and delayed uses' passes ran in.
+
     Call it from a module's ``register_wgrad_accumulation_and_reduce_hooks``
-    with the module's one delayed parameter. Marks ``param`` as delayed. A W
-    pass raises ``RuntimeError`` if the hook leaves ``param.grad`` in place
+    with the module's one delayed parameter. Marks ``param`` as delayed. A
+    call of the hook raises ``RuntimeError`` if the hook leaves ``param.grad`` in place
     (Megatron's hook clears its own parameter's): it was DDP's hook for another
     delayed parameter of the same module. At
     most one Megatron hook per parameter: a later call replaces the earlier
@@ -93,6 +122,22 @@ def register_megatron_hook(
                 "delay it)"
             )
 
-    handle = store.register_grad_ready_hook(param, grad_ready)
+    param_ref = weakref.ref(param)  # the hook is stored on the parameter itself
+
+    def undelayed_grad_arrived(_: torch.Tensor) -> None:
+        # Read through the reference, not the argument: a copy of the parameter
+        # given this hook (pipelining's verify) must not fire DDP's hook for it.
+        p = param_ref()
+        if p is None or p.grad is None or store.awaits_w(p):
+            return  # nothing arrived (a delayed B), or a W pass still to run adds it
+        # Not grad_ready's check: Megatron's hook returns at once, leaving
+        # .grad, while Megatron captures a CUDA graph (TransformerEngine's
+        # warm-up backward included), as its AccumulateGrad hooks do.
+        hook()
+
+    handle = _Both(
+        store.register_grad_ready_hook(param, grad_ready),
+        param.register_post_accumulate_grad_hook(undelayed_grad_arrived),
+    )
     _handles[param] = handle
     return handle

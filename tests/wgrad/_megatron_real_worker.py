@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 WIDTH = 8
 # The second step is the first whose overlapped reduction starts from the hooks.
 STEPS = 2
+# The tied cases: a third step checks that nothing of the second leaked into it.
+TIED_STEPS = 3
+VOCAB = 10
 
 
 def _example() -> Any:
@@ -284,6 +287,126 @@ def _case(
     return found
 
 
+class TiedNet(torch.nn.Module):
+    """The two stages one ZBV rank holds: an embedding (plain autograd) tied to a delayed FusedLinear head."""
+
+    def __init__(self, fused_linear: Any, store: Any, *, fused: bool) -> None:
+        super().__init__()
+        self.head = fused_linear.FusedLinear(
+            WIDTH, VOCAB, accumulate_into_main_grad=fused, wgrad_store=store
+        )
+        self.mid = torch.nn.Linear(WIDTH, WIDTH)
+
+    def first(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(torch.nn.functional.embedding(tokens, self.head.weight)))
+
+    def last(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h).pow(2).sum()
+
+
+def _tokens(step: int, rank: int, mb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + mb)
+    return torch.randint(0, VOCAB, (3,), generator=g)
+
+
+def _tied_order(kind: str, microbatches: int) -> list[tuple[str, int]]:
+    """L: last stage B, W: its W, F: first stage backward. ZBV: L W F per microbatch; lagged: W and F one behind."""
+    if kind == "zbv":
+        return [(k, i) for i in range(microbatches) for k in "LWF"]
+    order = [("L", 0)]
+    for i in range(1, microbatches):
+        order += [("L", i), ("W", i - 1), ("F", i - 1)]
+    return order + [("W", microbatches - 1), ("F", microbatches - 1)]
+
+
+def _tied_case(
+    fused_linear: Any, world: int, rank: int, *, overlap: bool, fused: bool, order: str
+) -> dict[str, Any]:
+    """The tied embedding's gradient of the last microbatch reaches .grad after the head's last W (ZBV)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad import WeightGradStore
+
+    torch.manual_seed(11)
+    stores = (WeightGradStore(), WeightGradStore())
+    nets = (
+        TiedNet(fused_linear, stores[0], fused=fused),
+        TiedNet(fused_linear, stores[1], fused=fused),
+    )
+    nets[1].load_state_dict(nets[0].state_dict())
+    state = {k: v.double() for k, v in nets[0].state_dict().items()}
+    config = {
+        "overlap_grad_reduce": overlap,
+        "grad_reduce_in_fp32": True,
+        "delay_wgrad_compute": True,
+    }
+    real = DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
+        DistributedDataParallelConfig(**config),
+        nets[0],
+    )
+    emu = MegatronStyleDDP(nets[1], **config)
+    found: dict[str, Any] = {"real": [], "real_vs_emu": [], "outcome": []}
+    microbatches = 3
+    for step in range(TIED_STEPS):
+        params = {k: v.clone().requires_grad_() for k, v in state.items()}
+        for r in range(world):
+            for mb in range(microbatches):
+                hidden = torch.nn.functional.embedding(_tokens(step, r, mb), params["head.weight"])
+                hidden = torch.tanh(hidden @ params["mid.weight"].t() + params["mid.bias"])
+                (hidden @ params["head.weight"].t()).pow(2).sum().backward()
+        ref = {k: p.grad / world for k, p in params.items()}  # type: ignore[operator]
+
+        def one_step(net: TiedNet, store: Any, no_sync: Any, step: int = step) -> None:
+            first, boundary, pending = {}, {}, {}
+            for kind, mb in _tied_order(order, microbatches):
+                with no_sync() if mb < microbatches - 1 else contextlib.nullcontext():
+                    if kind == "L":
+                        first[mb] = net.first(_tokens(step, rank, mb))
+                        boundary[mb] = first[mb].detach().requires_grad_()
+                        net.last(boundary[mb]).backward()
+                        pending[mb] = store.seal()
+                    elif kind == "W":
+                        pending.pop(mb).run()
+                    else:
+                        first.pop(mb).backward(boundary.pop(mb).grad)
+
+        def real_step() -> None:
+            real.zero_grad_buffer()
+            one_step(nets[0], stores[0], real.no_sync)
+            real.finish_grad_sync()
+
+        def emu_step() -> None:
+            emu.zero_grad_buffer()
+            one_step(nets[1], stores[1], contextlib.nullcontext)
+            for p in emu.params:
+                p.main_grad.mul_(1.0 / world)
+                dist.all_reduce(p.main_grad)
+
+        found["outcome"].append((_outcome(real_step), _outcome(emu_step)))
+        if found["outcome"][-1] != ("ok", "ok"):
+            break
+        named = dict(nets[0].named_parameters())
+        err = max(
+            ((named[k].main_grad.double() - g).abs().max() / g.abs().max()).item()
+            for k, g in ref.items()
+        )
+        left = any(p.grad is not None for net in nets for p in net.parameters())
+        found["real"].append(float("inf") if left else err)
+        found["real_vs_emu"].append(
+            max(
+                (a.main_grad - b.main_grad).abs().max().item()
+                for a, b in zip(nets[0].parameters(), nets[1].parameters())
+            )
+        )
+    return found
+
+
 def _probes(fused_linear: Any) -> dict[str, tuple[object, object]]:
     """zero_grad_buffer and zero_out_wgrad, real beside the emulation (plain parameters)."""
     from megatron.core.distributed import (
@@ -319,7 +442,45 @@ def _probes(fused_linear: Any) -> dict[str, tuple[object, object]]:
         net.weight.zero_out_wgrad = True
         net(torch.ones(2, WIDTH)).sum().backward()
         probes["zero_out_wgrad adds"].append(net.weight.main_grad.abs().sum().item())
+    probes["capture window"] = _capture_window(fused_linear)
     return {k: (v[0], v[1]) for k, v in probes.items()}
+
+
+def _capture_window(fused_linear: Any) -> list[object]:
+    """An undelayed gradient no W awaits, inside Megatron's CUDA-graph capture window (TE's warm-up).
+
+    Megatron's hooks return at once there; gradsafe's route must leave .grad
+    as it is and raise nothing. Returns, real then emulated: (outcome, .grad kept, main_grad untouched).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.transformer import TransformerConfig, cuda_graphs
+
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad import WeightGradStore
+
+    found: list[object] = []
+    for real in (True, False):
+        net = TiedNet(fused_linear, WeightGradStore(), fused=False)
+        config = {"overlap_grad_reduce": True, "delay_wgrad_compute": True}
+        if real:
+            DistributedDataParallel(
+                TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
+                DistributedDataParallelConfig(**config),
+                net,
+            )
+            cuda_graphs._set_capture_start()
+            window: Any = contextlib.ExitStack()
+            window.callback(cuda_graphs._set_capture_end)
+        else:
+            window = MegatronStyleDDP(net, **config).graph_capture()
+        with window:
+            outcome = _outcome(lambda net=net: net.first(torch.tensor([1, 2])).sum().backward())
+        weight = net.head.weight
+        found.append((outcome, weight.grad is not None, not weight.main_grad.any()))
+    return found
 
 
 def main() -> None:
@@ -374,6 +535,15 @@ def main() -> None:
                 }
                 cases.append((key, _case(fused_linear, world, rank, **key)))
         found["cases"] = cases
+        found["tied_cases"] = [
+            (key, _tied_case(fused_linear, world, rank, **key))
+            for key in (
+                {"overlap": overlap, "fused": fused, "order": order}
+                for overlap, fused, order in itertools.product(
+                    (False, True), (False, True), ("zbv", "lagged")
+                )
+            )
+        ]
         found["probes"] = _probes(fused_linear)
     except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
         found["crash"] = traceback.format_exc()

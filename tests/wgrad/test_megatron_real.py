@@ -11,7 +11,9 @@ steps of 1–4 microbatches with each W one microbatch behind
 (B0 B1 W0 B2 W1 ... ; every pass but the last microbatch's inside
 ``no_sync``), over ``overlap_grad_reduce`` on/off, fp32/bf16 parameters,
 ``grad_reduce_in_fp32`` on/off and fused/unfused W; plus a weight tied across
-two modules, and the recipe without ``delay_wgrad_compute``.
+two modules, and the recipe without ``delay_wgrad_compute``. Then the two
+stages one ZBV rank holds (an embedding tied to the delayed head), three steps
+of 3 microbatches in which the first stage's backward runs after the head's W.
 
 CPU stand-ins the worker installs (Megatron's DDP is written for CUDA):
 ``torch.cuda.current_device`` returns ``"cpu"`` (the gradient buffers'
@@ -101,3 +103,24 @@ def test_zero_grad_buffer_and_zero_out_wgrad_match(ranks) -> None:  # type: igno
         assert probes["stale .grad kept"] == (True, True)
         real, emu = probes["zero_out_wgrad adds"]
         assert real == emu and real > 0
+        # gradsafe's hook for an undelayed gradient no W awaits, inside Megatron's
+        # CUDA-graph capture window: Megatron's hook returns at once, .grad stays.
+        assert probes["capture window"] == (("ok", True, True), ("ok", True, True))
+
+
+def test_a_tied_embedding_backward_after_the_heads_last_w_is_exact_under_real_megatron(
+    ranks,
+) -> None:  # type: ignore[no-untyped-def]
+    """ZBV's order (last stage B, W, then the first stage's backward per microbatch) and W/F one behind.
+
+    The last microbatch's embedding gradient reaches .grad after the head's
+    last W: gradsafe fires DDP's hook for it, in the same place every step, so
+    overlap_grad_reduce's ready counts (recorded in the first step) start the
+    reduction after it in the next steps.
+    """
+    for result in ranks:
+        assert len(result["tied_cases"]) == 8
+        for key, found in result["tied_cases"]:
+            assert found["outcome"] == [("ok", "ok")] * 3, key
+            assert max(found["real"]) <= 1e-5, (key, found["real"])
+            assert found["real_vs_emu"] == [0.0] * 3, key
