@@ -155,9 +155,9 @@ class HookCounter:
         stack = [n for n in roots if n is not None]
         while stack:
             node = stack.pop()
-            if node in stop or self._seen in node.metadata:
+            if node in stop or self._seen in node.metadata:  # type: ignore[operator]
                 continue
-            node.metadata[self._seen] = True
+            node.metadata[self._seen] = True  # type: ignore[index]
             post, pre = _node_hook_dicts(node)
             self._wrap_dict(post, f"node hook on {node.name()}:")
             self._wrap_dict(pre, f"node pre-hook on {node.name()}:")
