@@ -1,7 +1,7 @@
 """Memory a split backward holds: gradsafe vs torch's split vs one fused backward, side by side.
 
 Run: PYTHONPATH=. python benchmarks/pipelining_memory.py
-         (both configurations below, .grad None and held, 2 microbatches)
+         (every configuration below, .grad None and held, 2 microbatches)
      PYTHONPATH=. python benchmarks/pipelining_memory.py --layers 8 --dim 4096 --batch 64 [--microbatches 2]
      PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
 
@@ -18,7 +18,11 @@ Parameters, inputs and gradients held before the step are not counted. By
 default two configurations: activation-dominated (8 x Linear(1024),
 microbatch 512) and weight-dominated (8 x Linear(2048), microbatch 64), each
 with ``.grad`` None (the first microbatch of a step) and already holding a
-gradient (every later one).
+gradient (every later one); then the last stage of
+``examples/verify_transformer.py:twelve_blocks`` (6 blocks of LayerNorm,
+attention and MLP, d=128, a head tied to the first stage's embedding,
+cross-entropy), without and with every other MLP activation-checkpointed
+(2x16 tokens per microbatch as there; with checkpointing also 2x128).
 
 2. ``--zbv``: one ``ScheduleZBVZeroBubble`` step on 2 gloo ranks (4 stages of
 ``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
@@ -32,6 +36,7 @@ import argparse
 import gc
 import os
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,8 +49,16 @@ from gradsafe.testing import LiveStorage
 MiB = 1 << 20
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def run(
-    impl: str, model: nn.Module, xs: list[torch.Tensor], ys: list[torch.Tensor], held: bool
+    impl: str,
+    model: nn.Module,
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    loss_fn: LossFn,
+    held: bool,
 ) -> dict[str, float]:
     params = list(model.parameters())
     for p in params:
@@ -56,7 +69,7 @@ def run(
         losses, outs, handoffs = [], [], []
         for x, y in zip(xs, ys):
             out = model(x)
-            loss = (out - y).pow(2).mean()
+            loss = loss_fn(out, y)
             losses.append(loss)
             outs.append(out)
         mode.mark()
@@ -185,19 +198,78 @@ def zbv(args: Any) -> None:
             print(row)
 
 
-def single_stage(layers: int, dim: int, batch: int, microbatches: int, held: bool) -> None:
+class TransformerStage(nn.Module):
+    """A last stage as in examples/verify_transformer.py: blocks (LayerNorm, attention, MLP),
+    a final norm, and a head whose weight is the first stage's token embedding."""
+
+    def __init__(self, dim: int, blocks: int, checkpoint_every_other: bool) -> None:
+        super().__init__()
+        from examples.verify_transformer import VOCAB, Block
+
+        embedding = nn.Embedding(VOCAB, dim)  # the first stage's
+        self.blocks = nn.Sequential(
+            *(
+                Block(dim, checkpoint_mlp=checkpoint_every_other and i % 2 == 1)
+                for i in range(blocks)
+            )
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)))
+
+
+def _mse_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).pow(2).mean()
+
+
+def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def linear_stage(layers: int, dim: int, batch: int, microbatches: int, held: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.Tanh())))
     xs = [torch.randn(batch, dim, requires_grad=True) for _ in range(microbatches)]
     ys = [torch.randn(batch, dim) for _ in range(microbatches)]
+    title = f"{layers} x (Linear({dim}) + tanh), microbatch {batch}"
+    single_stage(title, model, xs, ys, _mse_loss, microbatches, held)
+
+
+def transformer_stage(checkpointed: bool, seq: int, microbatches: int, held: bool) -> None:
+    from examples.verify_transformer import VOCAB
+
+    dim, blocks, batch = 128, 6, 2  # the last stage of verify_transformer:twelve_blocks
+    torch.manual_seed(0)
+    model = TransformerStage(dim, blocks, checkpointed)
+    xs = [torch.randn(batch, seq, dim, requires_grad=True) for _ in range(microbatches)]
+    ys = [torch.randint(0, VOCAB, (batch, seq)) for _ in range(microbatches)]
+    title = (
+        f"transformer last stage: {blocks} blocks d={dim}, head tied to the embedding, "
+        f"{'every other MLP checkpointed, ' if checkpointed else ''}microbatch {batch}x{seq} tokens"
+    )
+    single_stage(title, model, xs, ys, _cross_entropy, microbatches, held)
+
+
+def single_stage(
+    title: str,
+    model: nn.Module,
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    loss_fn: LossFn,
+    microbatches: int,
+    held: bool,
+) -> None:
     print(
-        f"\n{layers} x (Linear({dim}) + tanh), microbatch {batch}, {microbatches} microbatches, "
+        f"\n{title}, {microbatches} microbatches, "
         f".grad {'held' if held else 'None'} before the step; MiB"
     )
     results: dict[str, dict[str, float]] = {}
     for impl in ("fused", "torch", "gradsafe"):
         try:
-            results[impl] = run(impl, model, xs, ys, held)
+            results[impl] = run(impl, model, xs, ys, loss_fn, held)
         except RuntimeError as exc:
             print(f"{impl}: crashed: {str(exc).splitlines()[0][:100]}")
         for x in xs:
@@ -237,7 +309,13 @@ def main() -> None:
     )
     for dim, batch in configs:
         for held in (False, True):
-            single_stage(args.layers, dim, batch, args.microbatches, held)
+            linear_stage(args.layers, dim, batch, args.microbatches, held)
+    if not (args.dim or args.batch):
+        # 2x16 tokens as in twelve_blocks; 2x128 (more than 1.6 d) as well with checkpointing,
+        # where the MLP weight gradients B keeps are smaller than what torch's split records.
+        for checkpointed, seq in ((False, 16), (True, 16), (True, 128)):
+            for held in (False, True):
+                transformer_stage(checkpointed, seq, args.microbatches, held)
 
 
 if __name__ == "__main__":

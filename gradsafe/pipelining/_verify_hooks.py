@@ -61,7 +61,10 @@ class HookCounter:
         self.counts: collections.Counter[str] = collections.Counter()
         self.in_backward = False
         self._keep: list[Node] = []  # the copies' AccumulateGrad nodes carrying wrapped hooks
-        self._seen: set[int] = set()
+        # Marks the graph nodes already instrumented, in the node's own metadata:
+        # keeping them (or their ids) alive would keep every saved tensor of
+        # the run alive too, which no schedule does (and skews verify's memory).
+        self._seen = object()
         self.hooked: set[str] = set()  # parameters with hooks a W must run
 
     def wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -152,10 +155,9 @@ class HookCounter:
         stack = [n for n in roots if n is not None]
         while stack:
             node = stack.pop()
-            if id(node) in self._seen or node in stop:
+            if node in stop or self._seen in node.metadata:  # type: ignore[operator]
                 continue
-            self._seen.add(id(node))
-            self._keep.append(node)  # keeps ids unique while the run lasts
+            node.metadata[self._seen] = True  # type: ignore[index]
             post, pre = _node_hook_dicts(node)
             self._wrap_dict(post, f"node hook on {node.name()}:")
             self._wrap_dict(pre, f"node pre-hook on {node.name()}:")

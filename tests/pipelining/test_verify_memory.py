@@ -79,3 +79,16 @@ def test_memory_and_time_together_count_in_runs_of_their_own(
     assert "Backward time" in out and "Peak live tensor memory" in out
     # warm-up, reference, 2 x 3 checked runs, then the fused and 2 x 3 counted runs
     assert err.count("verify: ") == 2 + 6 + 1 + 6
+
+
+def test_verify_keeps_no_graph_alive_so_the_splits_compare_as_a_schedule_runs_them() -> None:
+    # verify's hook counting once kept every graph node of a run alive, so
+    # saved tensors torch's W frees (it runs without retain_graph) stayed
+    # counted while gradsafe's, freed when the graph is dropped, did too.
+    torch.manual_seed(0)
+    module = nn.Sequential(
+        *(m for _ in range(4) for m in (nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)))
+    )
+    peaks = _peaks(module, batch=16, dim=32, count=4)
+    for order, peak in peaks["gradsafe"].items():
+        assert peak <= peaks["upstream"][order], (order, peaks)
