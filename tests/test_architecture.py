@@ -149,8 +149,8 @@ INTERNALS_MODULES = {
     "gradsafe.dtensor": {"gradsafe.dtensor._torch"},
     "gradsafe.cuda_graphs": {"gradsafe.cuda_graphs._structure", "gradsafe.cuda_graphs._autograd"},
     "gradsafe.wgrad": {"gradsafe.wgrad._torch"},
-    # Both are dispatch modes (no public API for one): the CPU graph recorder and LiveStorage.
-    "gradsafe.testing": {"gradsafe.testing._graph_recorder", "gradsafe.testing._live_storage"},
+    # A dispatch mode (no public API for one): the CPU graph recorder.
+    "gradsafe.testing": {"gradsafe.testing._graph_recorder"},
 }
 
 

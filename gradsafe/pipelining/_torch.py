@@ -89,6 +89,7 @@ __all__ = [
     "apply_to_tensors",
     "device_probes_answer",
     "storage_key",
+    "storages_of",
     "EngineError",
     "call_node",
     "crashes_weight_only",
@@ -821,9 +822,17 @@ def module_backward_hook_dicts(module: torch.nn.Module) -> tuple[dict[Any, Any],
     return module._backward_hooks, module._backward_pre_hooks
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """An identity of ``t``'s storage, shared by its views, valid while the storage lives."""
-    return t.untyped_storage()._cdata
+def storages_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, ...]:
+    """The storages ``t``'s data lives in: its own, or a sparse COO tensor's indices and values."""
+    if t.is_sparse:  # uncoalesced too, which the public indices()/values() refuse
+        return (t._indices().untyped_storage(), t._values().untyped_storage())
+    return (t.untyped_storage(),)
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """An identity of a storage (``t``'s, shared by its views), valid while the storage lives."""
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage._cdata
 
 
 def apply_to_tensors(

@@ -23,7 +23,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from gradsafe.pipelining import _verify_hazards
-from gradsafe.pipelining._live_bytes import LiveBytes
+from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
 
@@ -195,7 +195,7 @@ def _run(
     step = ("", 0, 0)
     existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
     existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
-    live = LiveBytes(existing) if memory else None
+    live = LiveStorage(existing) if memory else None
     try:
         with live if live is not None else contextlib.nullcontext():
             for step in events(order, n, len(microbatches)):

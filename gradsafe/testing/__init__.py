@@ -15,13 +15,13 @@
   (and its peak), on any device, so memory conditions can be tests.
 """
 
+from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.testing._cuda_emulation import (
     EmulatedCUDAGraph,
     EmulatedEvent,
     EmulatedStream,
     emulate_cuda_graphs,
 )
-from gradsafe.testing._live_storage import LiveStorage
 from gradsafe.testing._split_exact import assert_split_exact
 from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 

@@ -1,4 +1,9 @@
-"""Bytes of tensor storage alive, counted operator by operator (device-independent, no allocator)."""
+"""Bytes of tensor storage alive, counted operator by operator (device-independent, no allocator).
+
+torch's own memory statistics exist for CUDA only; a dispatch mode sees every
+operator's outputs on every device. ``verify(memory=True)`` counts with it;
+tests and benchmarks use it as :class:`gradsafe.testing.LiveStorage`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradsafe.pipelining._torch import TorchDispatchMode, storage_key, storages_of
 
 __all__ = ["LiveStorage"]
 
@@ -35,7 +41,7 @@ class LiveStorage(TorchDispatchMode):
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._existing = {t.untyped_storage()._cdata for t in existing}
+        self._existing = {storage_key(t) for t in existing}
         #: The most bytes alive after any operator since the mode was entered.
         self.peak = 0
         #: The most bytes alive after any operator since the last :meth:`mark`.
@@ -55,17 +61,15 @@ class LiveStorage(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not t.is_sparse:
-                self._track(t.untyped_storage())
-            elif isinstance(t, torch.Tensor):
-                self._track(t._indices().untyped_storage())
-                self._track(t._values().untyped_storage())
+            if isinstance(t, torch.Tensor):
+                for storage in storages_of(t):
+                    self._track(storage)
         now = self.live()
         self.peak = max(self.peak, now)
         self.peak_since_mark = max(self.peak_since_mark, now)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
+        key = storage_key(storage)
         if key not in self._storages and key not in self._existing:
             self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
