@@ -508,7 +508,7 @@ def _unspared_inputs(
         ]
         return None if len(kept) == len(inputs) else kept
     # No inputs: every leaf the graph reaches accumulates; find them.
-    stack = [
+    stack: list[Node | None] = [
         root.node if isinstance(root, GradientEdge) else get_gradient_edge(root).node
         for root in roots
         if isinstance(root, GradientEdge) or root.requires_grad
