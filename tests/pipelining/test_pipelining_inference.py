@@ -210,6 +210,27 @@ def test_a_parameter_the_loss_changes_in_place_is_refused_naming_cause_and_fix(
     assert "head.weight" in message and "input_args" in message
 
 
+def test_an_optimizer_stepped_in_the_loss_finds_no_gradient_from_the_inference(
+    world: None,
+) -> None:
+    modules = _hazards._build(None)
+    head = modules[1].head
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    chunked = _hazards.ChunkedHeadLoss(head)
+    seen: list[bool] = []
+
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = chunked(hidden, target)
+        seen.append(head.weight.grad is None)
+        optimizer.step()  # optimizer-in-loss: skips a parameter without a gradient
+        return loss
+
+    x, target = _hazards._data()
+    with gradsafe.patch("pipelining"):
+        _schedule_step(modules, loss_fn, x, target)
+    assert seen == [True] * _RUNS_LOSS + [False] * 4
+
+
 _NODE_HOOK_KINDS = ["edge_prehook", "edge_posthook", "view_prehook"]
 
 
