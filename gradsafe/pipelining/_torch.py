@@ -454,18 +454,24 @@ class _Engine:
                     return
         self.engine.queue_callback(callback)
 
-    def run_backward(
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        spared = _SPARED.get()
+        if spared is None:
+            return self.engine.run_backward(*args, **kwargs)
+        return self._run_spared(spared, *args, **kwargs)
+
+    def _run_spared(
         self,
+        spared: frozenset[int],
         tensors: Sequence[Any],
         grad_tensors: Sequence[Any],
         keep_graph: bool,
         create_graph: bool,
         inputs: Sequence[Any] = (),
-        allow_unreachable: bool = False,  # the engine's own defaults
+        allow_unreachable: bool = False,  # the engine's own signature and defaults
         accumulate_grad: bool = False,
     ) -> Any:
-        spared = _SPARED.get()
-        if spared is not None and accumulate_grad:
+        if accumulate_grad:
             kept = _unspared_inputs(tensors, inputs, spared)
             if kept is not None:
                 if not kept:
@@ -477,8 +483,8 @@ class _Engine:
             keep_graph,
             create_graph,
             inputs,
-            allow_unreachable,
-            accumulate_grad,
+            allow_unreachable=allow_unreachable,
+            accumulate_grad=accumulate_grad,
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -841,7 +847,21 @@ def missing_feature() -> str | None:
             torch.autograd.grad([GradientEdge(node, 0)], [w], [torch.ones(2, device="cpu")])  # type: ignore[list-item]
         except (TypeError, RuntimeError, AttributeError) as exc:
             return f"the autograd engine does not take GradientEdge roots ({exc})"
-        return _missing_hook_introspection(node, x, w)
+        return _missing_hook_introspection(node, x, w) or _missing_sparing()
+    return None
+
+
+def _missing_sparing() -> str | None:
+    """Whether :func:`backwards_spare` keeps a backward off a parameter and feeds the other leaf."""
+    param = torch.nn.Parameter(torch.ones(2, device="cpu"))
+    leaf = torch.ones(2, device="cpu", requires_grad=True)
+    try:
+        with backwards_spare([param]):
+            (param * leaf * 3).sum().backward()
+    except (TypeError, RuntimeError, AttributeError) as exc:
+        return f"autograd's engine object cannot be wrapped to spare parameters ({exc})"
+    if param.grad is not None or leaf.grad is None or not torch.equal(leaf.grad, param.detach() * 3):
+        return "a backward with inputs= the other leaves still reaches the parameter"
     return None
 
 
