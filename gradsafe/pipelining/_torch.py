@@ -860,7 +860,11 @@ def _missing_sparing() -> str | None:
             (param * leaf * 3).sum().backward()
     except (TypeError, RuntimeError, AttributeError) as exc:
         return f"autograd's engine object cannot be wrapped to spare parameters ({exc})"
-    if param.grad is not None or leaf.grad is None or not torch.equal(leaf.grad, param.detach() * 3):
+    if (
+        param.grad is not None
+        or leaf.grad is None
+        or not torch.equal(leaf.grad, param.detach() * 3)
+    ):
         return "a backward with inputs= the other leaves still reaches the parameter"
     return None
 
