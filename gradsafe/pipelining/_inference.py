@@ -14,10 +14,14 @@ train-mode forward updates BatchNorm statistics; dropout draws from the RNG.
 gradsafe makes the inference an observer: inputs built from metadata are
 zeros, and an :class:`InferenceSnapshot` taken before the first stage runs puts
 back after the last one every parameter's ``.grad`` (the same tensor object)
-and ``main_grad``, every module buffer and the CPU (and initialised CUDA) RNG
-state, while parameter and module backward hooks are silenced. What it cannot
-undo, a parameter changed in place (an optimizer stepped inside ``loss_fn``),
-it refuses with :class:`MetadataInferenceError`.
+and ``main_grad``, every module buffer, the weights ``nn.Embedding(max_norm=...)``
+renormalises in its forward, and the CPU (and initialised CUDA) RNG state, while
+parameter and module backward hooks are silenced and a backward run inside the
+inference (the loss's) is kept off the parameters, so no parameter's
+``AccumulateGrad`` node, nor any of its hooks, runs. A lazy module's parameters
+are materialised, as torch's own inference does. What it cannot undo, another
+parameter changed in place (weight clipping in ``loss_fn``), it refuses with
+:class:`MetadataInferenceError`, as it refuses lazy buffers before the inference.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from gradsafe.pipelining import _torch
 
@@ -64,6 +69,12 @@ class _ParamRecord:
     version: int
     main_grad: torch.Tensor | None
     main_grad_copy: torch.Tensor | None
+    #: Uninitialised (a lazy module's): the inference's forward materialises it,
+    #: as the step's first forward would.
+    lazy: bool
+    #: The values before the inference, kept for a weight its module's forward
+    #: renormalises in place (``max_norm``): the inference's rows are not the step's.
+    copy: torch.Tensor | None
 
 
 @dataclasses.dataclass
@@ -79,11 +90,13 @@ class InferenceSnapshot:
 
     :meth:`take` parks every parameter's ``.grad`` (the parameter's ``.grad``
     is ``None`` while the inference runs, so nothing it accumulates reaches
-    the caller's tensor), copies ``main_grad`` and the buffers, saves the RNG
-    states and silences the parameters' tensor and post-accumulate-grad hooks
-    and the modules' backward hooks. :meth:`restore` reverses all of it and
-    then raises :class:`MetadataInferenceError` if a parameter was changed in
-    place meanwhile.
+    the caller's tensor), copies ``main_grad``, the buffers and ``max_norm``
+    embedding weights, saves the RNG states, silences the parameters' tensor
+    and post-accumulate-grad hooks and the modules' backward hooks, and keeps
+    backwards off the parameters (:func:`~gradsafe.pipelining._torch.backwards_spare`).
+    :meth:`restore` reverses all of it and then raises
+    :class:`MetadataInferenceError` if another parameter, not lazy, was
+    changed in place meanwhile.
     """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
@@ -103,9 +116,11 @@ class InferenceSnapshot:
     def _take(self) -> None:
         params = _unique(p for m in self._modules for p in m.parameters())
         with torch.no_grad():
+            renormed = {id(p) for p in _renormed_weights(self._modules)}
             for param in params:
                 main_grad = getattr(param, "main_grad", None)
                 main_grad = main_grad if isinstance(main_grad, torch.Tensor) else None
+                lazy = is_lazy(param)
                 self._params.append(
                     _ParamRecord(
                         param,
@@ -113,6 +128,8 @@ class InferenceSnapshot:
                         _torch.version(param),
                         main_grad,
                         None if main_grad is None else main_grad.clone(),
+                        lazy,
+                        param.clone() if id(param) in renormed and not lazy else None,
                     )
                 )
             for module in _unique(sub for m in self._modules for sub in m.modules()):
@@ -120,6 +137,7 @@ class InferenceSnapshot:
                     self._buffers.append(_BufferRecord(module, name, buffer, buffer.clone()))
         self._rng = _torch.rng_states()
         self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
+        self._hooks.enter_context(_torch.backwards_spare(params))
         for record in self._params:
             record.param.grad = None
         self.state = SnapshotState.TAKEN
@@ -139,7 +157,9 @@ class InferenceSnapshot:
                 if record.main_grad is not None:
                     record.param.main_grad = record.main_grad  # type: ignore[attr-defined]
                     record.main_grad.copy_(record.main_grad_copy)  # type: ignore[arg-type]
-                if _torch.version(record.param) != record.version:
+                if record.copy is not None:
+                    record.param.copy_(record.copy)
+                elif not record.lazy and _torch.version(record.param) != record.version:
                     changed.append(record.param)
             for buf in self._buffers:
                 setattr(buf.module, buf.name, buf.buffer)  # re-seats a buffer the forward rebound
@@ -155,12 +175,24 @@ class InferenceSnapshot:
                 f"parameter(s) {', '.join(names)} changed in place while the pipeline stages "
                 "inferred their metadata. Before the first microbatch of the first step torch "
                 "runs each stage forward and the loss_fn once (the first stage on the first "
-                "microbatch, the others on zeros), and gradsafe puts gradients, buffers and "
-                "RNG back afterwards, but it cannot undo a parameter "
-                "update (e.g. an optimizer stepped inside loss_fn or a hook). Fix: step the "
+                "microbatch, the others on zeros); gradsafe puts gradients, buffers, RNG and "
+                "the weights of nn.Embedding/EmbeddingBag(max_norm=...) back afterwards, but "
+                "keeps no copy of other parameters: one the stage's forward changes in place "
+                "(e.g. F.embedding(..., max_norm=...) on a parameter) or an optimizer stepped "
+                "inside loss_fn or a hook would keep the inference's change. Fix: step the "
                 "optimizer after schedule.step(), or give every PipelineStage its input_args "
                 "and output_args so no inference runs."
             )
+
+
+def _renormed_weights(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Weights whose module's forward renormalises the rows it looks up, in place."""
+    return [
+        sub.weight
+        for m in modules
+        for sub in m.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None
+    ]
 
 
 def _unique(items: Iterable[Any]) -> list[Any]:
@@ -190,8 +222,28 @@ _CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
 )
 
 
+def _refuse_lazy_buffers(modules: Sequence[nn.Module]) -> None:
+    lazy = sorted(
+        name
+        for m in modules
+        for name, buffer in m.named_buffers(remove_duplicate=False)
+        if is_lazy(buffer)
+    )
+    if lazy:
+        raise MetadataInferenceError(
+            f"buffer(s) {', '.join(lazy)} of lazy modules are uninitialised, and the pipeline "
+            "stages are about to infer their metadata: before the first microbatch of the "
+            "first step torch runs each stage forward once, which would materialise them and "
+            "may update them (running statistics of zeros), and gradsafe has no value from "
+            "before to put back. Fix: initialise lazy modules before building the schedule "
+            "(one forward on a sample input, e.g. in eval mode), or give every PipelineStage "
+            "its input_args and output_args so no inference runs."
+        )
+
+
 @contextlib.contextmanager
 def _inference_run(modules: Sequence[nn.Module]) -> Iterator[_Run]:
+    _refuse_lazy_buffers(modules)
     run = _Run(modules)
     token = _CURRENT.set(run)
     try:

@@ -44,8 +44,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   per process in a subprocess, where a crash cannot take the caller down;
 - ``Variable._execution_engine.queue_callback`` and ``torch._C._current_autograd_node``:
   end-of-backward callbacks queued by hooks in W's weight-only pass are held
-  for W's delivery pass (the engine object is swapped for a forwarding proxy
-  while that pass runs);
+  for W's delivery pass, and ``Variable._execution_engine.run_backward``: a
+  backward run inside stage metadata inference is kept off the parameters
+  (the engine object is swapped for a forwarding proxy while either runs);
 - FSDP2's per-module state (``FSDPParam.sharded_param`` and its unsharded
   parameter): which parameter autograd saw for the sharded one a caller passes;
 - ``torch.distributed.pipelining._backward``, where torch's split functions
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -93,6 +95,7 @@ __all__ = [
     "EngineError",
     "call_node",
     "crashes_weight_only",
+    "backwards_spare",
     "deferred_callbacks",
     "queue_callback",
     "engine_error",
@@ -374,37 +377,71 @@ def deferred_callbacks(nodes: set[Node]) -> Iterator[list[Callable[[], None]]]:
     the held callbacks from inside its delivery pass. A callback queued while
     any other node runs (another thread's backward) goes to the engine as usual.
     """
-    from torch.autograd.variable import Variable
-
     held: list[Callable[[], None]] = []
     entry = (nodes, held)
-    with _CALLBACK_LOCK:
-        if not _DEFERRING:
-            Variable._execution_engine = _DeferringEngine(Variable._execution_engine)  # type: ignore[attr-defined,assignment]
-        _DEFERRING.append(entry)
+    with _engine_wrapped():
+        with _ENGINE_LOCK:
+            _DEFERRING.append(entry)
+        try:
+            yield held
+        finally:
+            with _ENGINE_LOCK:
+                _DEFERRING[:] = [e for e in _DEFERRING if e is not entry]
+
+
+@contextlib.contextmanager
+def backwards_spare(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Keep the backwards this context runs (``backward()``, not ``autograd.grad``) off ``params``.
+
+    A backward that would accumulate into one of ``params`` (or into any other
+    ``nn.Parameter``) runs with ``inputs=`` the other leaves it reaches, so
+    the engine never runs those parameters' ``AccumulateGrad`` nodes: their
+    ``.grad`` is not written and none of their hooks fire (tensor hooks,
+    post-accumulate-grad hooks, the node's Python pre-hooks and post hooks,
+    C++ hooks such as DDP's reducer), nor any node whose only way out leads
+    to them. The other leaves get exactly the gradients they would have got.
+    A backward that reaches no other leaf is not run. Backwards on other
+    threads, and contexts copied before this one was entered, are untouched.
+    """
+    token = _SPARED.set(frozenset(id(p) for p in params))
     try:
-        yield held
+        with _engine_wrapped():
+            yield
     finally:
-        with _CALLBACK_LOCK:
-            _DEFERRING[:] = [e for e in _DEFERRING if e is not entry]
-            engine = Variable._execution_engine  # type: ignore[attr-defined]
-            if not _DEFERRING and isinstance(engine, _DeferringEngine):
-                Variable._execution_engine = engine.engine  # type: ignore[attr-defined]
+        _SPARED.reset(token)
 
 
-def queue_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the engine call this runs in ends (autograd's own queue)."""
-    from torch.autograd.variable import Variable
-
-    Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
-
-
-_CALLBACK_LOCK = threading.Lock()
+_SPARED: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
+    "gradsafe_spared_parameters", default=None
+)
+_ENGINE_LOCK = threading.Lock()
+_ENGINE_USERS = [0]
 _DEFERRING: list[tuple[set[Node], list[Callable[[], None]]]] = []
 
 
-class _DeferringEngine:
-    """Forwards everything to autograd's engine; holds callbacks queued from a deferring pass's nodes."""
+@contextlib.contextmanager
+def _engine_wrapped() -> Iterator[None]:
+    """autograd's engine wrapped in a :class:`_Engine` while any caller needs it."""
+    from torch.autograd.variable import Variable
+
+    with _ENGINE_LOCK:
+        if _ENGINE_USERS[0] == 0:
+            Variable._execution_engine = _Engine(Variable._execution_engine)  # type: ignore[attr-defined,assignment]
+        _ENGINE_USERS[0] += 1
+    try:
+        yield
+    finally:
+        with _ENGINE_LOCK:
+            _ENGINE_USERS[0] -= 1
+            engine = Variable._execution_engine  # type: ignore[attr-defined]
+            if _ENGINE_USERS[0] == 0 and isinstance(engine, _Engine):
+                Variable._execution_engine = engine.engine  # type: ignore[attr-defined]
+
+
+class _Engine:
+    """Forwards everything to autograd's engine, except: callbacks queued from a
+    deferring pass's nodes are held (:func:`deferred_callbacks`), and a backward
+    run under :func:`backwards_spare` leaves the spared parameters out."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -418,8 +455,87 @@ class _DeferringEngine:
                     return
         self.engine.queue_callback(callback)
 
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        spared = _SPARED.get()
+        if spared is None:
+            return self.engine.run_backward(*args, **kwargs)
+        return self._run_spared(spared, *args, **kwargs)
+
+    def _run_spared(
+        self,
+        spared: frozenset[int],
+        tensors: Sequence[Any],
+        grad_tensors: Sequence[Any],
+        keep_graph: bool,
+        create_graph: bool,
+        inputs: Sequence[Any] = (),
+        allow_unreachable: bool = False,  # the engine's own signature and defaults
+        accumulate_grad: bool = False,
+    ) -> Any:
+        if accumulate_grad:
+            kept = _unspared_inputs(tensors, inputs, spared)
+            if kept is not None:
+                if not kept:
+                    return ()
+                inputs = tuple(kept)
+        return self.engine.run_backward(
+            tensors,
+            grad_tensors,
+            keep_graph,
+            create_graph,
+            inputs,
+            allow_unreachable=allow_unreachable,
+            accumulate_grad=accumulate_grad,
+        )
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the engine call this runs in ends (autograd's own queue)."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def _is_spared(leaf: torch.Tensor | None, spared: frozenset[int]) -> bool:
+    return leaf is not None and (id(leaf) in spared or isinstance(leaf, torch.nn.Parameter))
+
+
+def _unspared_inputs(
+    roots: Sequence[Any], inputs: Sequence[Any], spared: frozenset[int]
+) -> list[Any] | None:
+    """The inputs a backward from ``roots`` keeps once spared leaves are left out; None: all of them."""
+    if inputs:
+        kept = [
+            i
+            for i in inputs
+            if not _is_spared(leaf_variable(i.node) if isinstance(i, GradientEdge) else i, spared)
+        ]
+        return None if len(kept) == len(inputs) else kept
+    # No inputs: every leaf the graph reaches accumulates; find them.
+    stack: list[Node | None] = [
+        root.node if isinstance(root, GradientEdge) else get_gradient_edge(root).node
+        for root in roots
+        if isinstance(root, GradientEdge) or root.requires_grad
+    ]
+    seen: set[Node] = set()
+    leaves: list[torch.Tensor] = []
+    dropped = False
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = leaf_variable(node)
+        if leaf is not None:
+            if _is_spared(leaf, spared):
+                dropped = True
+            else:
+                leaves.append(leaf)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves if dropped else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -732,7 +848,25 @@ def missing_feature() -> str | None:
             torch.autograd.grad([GradientEdge(node, 0)], [w], [torch.ones(2, device="cpu")])  # type: ignore[list-item]
         except (TypeError, RuntimeError, AttributeError) as exc:
             return f"the autograd engine does not take GradientEdge roots ({exc})"
-        return _missing_hook_introspection(node, x, w)
+        return _missing_hook_introspection(node, x, w) or _missing_sparing()
+    return None
+
+
+def _missing_sparing() -> str | None:
+    """Whether :func:`backwards_spare` keeps a backward off a parameter and feeds the other leaf."""
+    param = torch.nn.Parameter(torch.ones(2, device="cpu"))
+    leaf = torch.ones(2, device="cpu", requires_grad=True)
+    try:
+        with backwards_spare([param]):
+            (param * leaf * 3).sum().backward()
+    except (TypeError, RuntimeError, AttributeError) as exc:
+        return f"autograd's engine object cannot be wrapped to spare parameters ({exc})"
+    if (
+        param.grad is not None
+        or leaf.grad is None
+        or not torch.equal(leaf.grad, param.detach() * 3)
+    ):
+        return "a backward with inputs= the other leaves still reaches the parameter"
     return None
 
 

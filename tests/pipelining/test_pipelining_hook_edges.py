@@ -244,7 +244,7 @@ def test_callback_queued_in_the_weight_only_pass_runs_after_delivery_once() -> N
     stage_backward_weight(list(lin.parameters()), handoff)
     assert len(seen) == 1 and seen[0] is not None
     torch.testing.assert_close(seen[0], lin.weight.grad, rtol=0, atol=0)
-    assert type(Variable._execution_engine).__name__ != "_DeferringEngine"  # type: ignore[attr-defined]
+    assert type(Variable._execution_engine).__name__ != "_Engine"  # type: ignore[attr-defined]
 
 
 # --- saved-tensor hooks that pack a tensor as itself -------------------------------------------

@@ -7,7 +7,7 @@ process (gradsafe.pipelining._hazards has the model).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -158,33 +158,226 @@ def test_existing_grads_and_every_gradient_hook_see_the_microbatches_only(world:
         assert torch.allclose(grads[name], grad, rtol=1e-12, atol=0), name
 
 
-def test_a_loss_that_steps_an_optimizer_is_refused_naming_cause_and_fix(world: None) -> None:
+def _schedule_step(
+    modules: Sequence[nn.Module],
+    loss_fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    target: torch.Tensor,
+    schedule: str = "ScheduleInterleaved1F1B",
+) -> None:
     from torch.distributed.pipelining import PipelineStage, schedules
 
+    stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(modules)]
+    runner = getattr(schedules, schedule)(
+        stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False
+    )
+    try:
+        runner.step(x, target=target)
+    except RuntimeError as exc:
+        if _hazards._SELF_SEND in str(exc):
+            pytest.skip("this torch cannot run two stages on one gloo rank")
+        raise
+
+
+def _accumulate(
+    modules: Sequence[nn.Module],
+    loss_fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    target: torch.Tensor,
+) -> None:
+    for xs, goal in zip(x.chunk(4), target.chunk(4)):
+        out = xs
+        for module in modules:
+            out = module(out)
+        loss_fn(out, goal).backward()
+
+
+def test_a_parameter_the_loss_changes_in_place_is_refused_naming_cause_and_fix(
+    world: None,
+) -> None:
     modules = _hazards._build(None)
-    optimizer = torch.optim.SGD(modules[1].head.parameters(), lr=0.1)
     chunked = _hazards.ChunkedHeadLoss(modules[1].head)
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            modules[1].head.weight.clamp_(-0.1, 0.1)  # weight clipping: not undoable
+        return chunked(hidden, target)
+
+    x, target = _hazards._data()
+    with gradsafe.patch("pipelining"), pytest.raises(MetadataInferenceError) as raised:
+        _schedule_step(modules, loss_fn, x, target)
+    message = str(raised.value)
+    assert "head.weight" in message and "input_args" in message
+
+
+def test_an_optimizer_stepped_in_the_loss_finds_no_gradient_from_the_inference(
+    world: None,
+) -> None:
+    modules = _hazards._build(None)
+    head = modules[1].head
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    chunked = _hazards.ChunkedHeadLoss(head)
+    seen: list[bool] = []
+
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = chunked(hidden, target)
-        optimizer.step()  # optimizer-in-loss: the inference's update cannot be undone
+        seen.append(head.weight.grad is None)
+        optimizer.step()  # optimizer-in-loss: skips a parameter without a gradient
         return loss
 
-    stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(modules)]
-    runner = schedules.ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=loss_fn)
     x, target = _hazards._data()
     with gradsafe.patch("pipelining"):
-        try:
-            runner.step(x, target=target)
-        except MetadataInferenceError as exc:
-            message = str(exc)
-        except RuntimeError as exc:
-            if _hazards._SELF_SEND in str(exc):
-                pytest.skip("this torch cannot run two stages on one gloo rank")
-            raise
-        else:
-            pytest.fail("an optimizer step inside the inference's loss_fn went unreported")
-    assert "head.weight" in message and "optimizer" in message and "input_args" in message
+        _schedule_step(modules, loss_fn, x, target)
+    assert seen == [True] * _RUNS_LOSS + [False] * 4
+
+
+_NODE_HOOK_KINDS = ["edge_prehook", "edge_posthook", "view_prehook"]
+
+
+def _accumulator_reducer(
+    modules: Sequence[nn.Module], kind: str
+) -> tuple[dict[str, torch.Tensor], list[int], list[object]]:
+    """A reducer written as AccumulateGrad node hooks (DDP's reducer, Megatron's DDP), its own buffers."""
+    reduced: dict[str, torch.Tensor] = {}
+    fired = [0]
+    keep: list[object] = []  # the accumulator nodes, alive as a reducer keeps them
+    for i, module in enumerate(modules):
+        for name, param in module.named_parameters():
+            key = f"{i}.{name}"
+            reduced[key] = torch.zeros_like(param)
+            if kind == "view_prehook":
+                node = param.view_as(param).grad_fn.next_functions[0][0]
+            else:
+                node = torch.autograd.graph.get_gradient_edge(param).node
+            keep.append(node)
+
+            def add(grad: torch.Tensor, key: str = key) -> None:
+                fired[0] += 1
+                reduced[key].add_(grad)
+
+            if kind == "edge_posthook":
+                # A post hook sees the accumulator's (empty) outputs and its input.
+                node.register_hook(lambda grads_in, grads_out, add=add: add(grads_out[0]))
+            else:
+                node.register_prehook(lambda grads_out, add=add: add(grads_out[0]))
+    return reduced, fired, keep
+
+
+@pytest.mark.parametrize("kind", _NODE_HOOK_KINDS)
+@pytest.mark.parametrize("schedule", ["ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
+def test_accumulator_node_hooks_see_the_microbatches_only(
+    schedule: str, kind: str, world: None
+) -> None:
+    x, target = _hazards._data()
+    modules = _hazards._build(None)
+    expected, expected_fired, _ = _accumulator_reducer(modules, kind)
+    _accumulate(modules, _hazards.ChunkedHeadLoss(modules[1].head), x, target)
+
+    modules = _hazards._build(None)
+    reduced, fired, keep = _accumulator_reducer(modules, kind)
+    with gradsafe.patch("pipelining"):
+        _schedule_step(modules, _hazards.ChunkedHeadLoss(modules[1].head), x, target, schedule)
+    assert fired[0] == expected_fired[0] > 0
+    for key, value in expected.items():
+        assert torch.allclose(reduced[key], value, rtol=1e-12, atol=0), key
+
+
+def test_backwards_inside_the_inference_leave_parameters_and_their_hooks_alone() -> None:
+    from gradsafe.pipelining import _torch
+
+    weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    other = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # a leaf the inference made
+    fired: list[str] = []
+    node = torch.autograd.graph.get_gradient_edge(weight).node
+    node.register_prehook(lambda g: fired.append("pre"))
+    node.register_hook(lambda gi, go: fired.append("post"))
+    weight.register_post_accumulate_grad_hook(lambda p: fired.append("accumulated"))
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with _torch.backwards_spare([weight]):
+        (x @ weight @ other).square().sum().backward()
+        (x @ weight).sum().backward()  # reaches the parameter only: not run
+        (x @ weight @ other).sum().backward(inputs=[weight])
+    assert weight.grad is None and not fired
+    expected = torch.autograd.grad((x @ weight.detach() @ other).square().sum(), other)[0]
+    assert torch.equal(other.grad, expected + torch.zeros_like(other))
+    (x @ weight).sum().backward()  # outside: as usual
+    assert fired == ["pre", "accumulated", "post"] and weight.grad is not None
+
+
+def test_an_embedding_max_norm_renorms_what_the_microbatches_look_up_only(world: None) -> None:
+    """The inference's forward renormalises the rows it looks up; gradsafe puts them back."""
+    vocab, dim = 8, 4
+
+    class Lookup(nn.Module):
+        # Row 1 is looked up only for a zero input: the inference's, never the step's.
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(dim, dim)
+            self.emb = nn.Embedding(vocab, dim, max_norm=1.0)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.lin(h) + self.emb((h.detach()[..., 0] != 0).long() + 1)
+
+    def build() -> list[nn.Module]:
+        torch.manual_seed(0)
+        first = nn.Sequential(nn.Embedding(vocab, dim, max_norm=1.0), nn.Linear(dim, dim))
+        return [first.double(), nn.Sequential(Lookup(), nn.Linear(dim, vocab)).double()]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, vocab), target.reshape(-1))
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (8, 3), generator=gen)
+    target = torch.randint(0, vocab, (8, 3), generator=gen)
+    expected = build()
+    _accumulate(expected, loss_fn, tokens, target)
+    got = build()
+    with gradsafe.patch("pipelining"):
+        _schedule_step(got, loss_fn, tokens, target)
+    for (name, want), have in zip(
+        [(n, p) for m in expected for n, p in m.named_parameters()],
+        [p for m in got for p in m.parameters()],
+    ):
+        assert torch.equal(have, want), name
+        assert torch.allclose(have.grad, want.grad, rtol=1e-12, atol=1e-15), name
+
+
+def test_a_lazy_module_is_materialised_by_the_inference_as_by_torch(world: None) -> None:
+    def build() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [
+            nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(5)).double(),
+            nn.Sequential(nn.Tanh(), nn.LazyLinear(3)).double(),
+        ]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).square().mean()
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, dtype=torch.float64, generator=gen)
+    target = torch.randn(8, 3, dtype=torch.float64, generator=gen)
+    expected = build()
+    _accumulate(expected, loss_fn, x, target)
+    got = build()
+    with gradsafe.patch("pipelining"):
+        _schedule_step(got, loss_fn, x, target)
+    for want, have in zip(
+        [p for m in expected for p in m.parameters()], [p for m in got for p in m.parameters()]
+    ):
+        assert torch.equal(have, want)
+        assert torch.allclose(have.grad, want.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_lazy_buffer_the_inference_would_initialise_is_refused_naming_cause_and_fix(
+    world: None,
+) -> None:
+    modules = [nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d()).double(), nn.Linear(4, 3)]
+    modules[1].double()
+    x, target = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    with gradsafe.patch("pipelining"), pytest.raises(MetadataInferenceError) as raised:
+        _schedule_step(modules, lambda out, t: (out - t).square().mean(), x, target)
+    message = str(raised.value)
+    assert "running_mean" in message and "initialise lazy modules" in message
 
 
 def test_main_grad_written_by_the_loss_is_put_back(world: None) -> None:

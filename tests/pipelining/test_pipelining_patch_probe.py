@@ -147,3 +147,13 @@ def test_inference_wrappers_follow_the_methods_torch_defines() -> None:
     )
     no_schedule = types.SimpleNamespace(_PipelineSchedule=type("_PipelineSchedule", (), {}))
     assert _patch._inference_targets(bare, no_schedule) == []
+
+
+def test_an_engine_that_cannot_spare_parameters_is_a_missing_feature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradsafe.pipelining import _torch
+
+    assert _torch.missing_feature() is None
+    monkeypatch.setattr(_torch, "_unspared_inputs", lambda roots, inputs, spared: None)
+    assert "still reaches the parameter" in (_torch.missing_feature() or "")
