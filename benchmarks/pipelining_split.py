@@ -1,18 +1,28 @@
 """Split backward (B/W) cost: gradsafe vs torch's own vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N]
-Prints the torch version and machine, then times (ms) and ratios measured in
-this one process, interleaving the implementations in every repetition, on one
-intra-op thread. Each figure is thread CPU time (what this thread spent, which
-other processes on a shared machine disturb far less than wall time), given as
-the minimum and the median over repetitions, with wall time's minimum beside
-it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a quiet
-machine). Ratios are taken between figures of the same kind.
+Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N] [--sweep]
+Prints the torch version, machine and date, then times (ms) and ratios measured
+in this one process, interleaving the implementations in every repetition, on
+one intra-op thread. Each figure is thread CPU time (what this thread spent,
+which other processes on a shared machine disturb far less than wall time),
+given as the minimum and the median over repetitions, with wall time's minimum
+beside it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a
+quiet machine). Ratios are taken between figures of the same kind.
+
+The order of the implementations rotates from one repetition to the next: the
+first backward after another implementation's has returned its memory pays
+that memory's page faults again (glibc hands large freed blocks back to the
+system), and a fixed order charged them to one implementation every time.
+
+Sections 1-3 run by default; ``--sweep`` adds 4 (B+W over stage sizes, d = 64
+to 4096, depth 12 to 192) and 5 (per-node cost on 1.5 k to 50 k nodes), which
+take several minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import platform
@@ -114,12 +124,21 @@ IMPLS = {
 }
 
 
-def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+def measure(
+    model: nn.Module,
+    fwd: Forward,
+    x_shape: tuple[int, ...],
+    reps: int,
+    warmup: int = 3,
+    skip: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Per implementation: B, W and B+W in CPU ms (min), B+W CPU median, B+W wall min, noise."""
     samples: dict[str, list[tuple[tuple[float, float], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
-    for rep in range(reps + 2):
-        for name, impl in IMPLS.items():
+    names = [name for name in IMPLS if name not in skip]
+    for rep in range(reps + warmup):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            impl = IMPLS[name]
             if name in crashed:
                 continue
             model.zero_grad(set_to_none=True)
@@ -129,11 +148,11 @@ def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int)
             except RuntimeError as exc:
                 crashed[name] = str(exc).strip().splitlines()[-1][:60]
                 continue
-            if rep >= 2:  # warm-up
+            if rep >= warmup:
                 samples[name].append(timing)
     result: dict[str, Any] = {}
     for name, s in samples.items():
-        if name in crashed:
+        if name in crashed or name in skip:
             result[name] = None
             continue
         cpu = [b[1] + w[1] for b, w in s]
@@ -157,8 +176,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
     parser.add_argument(
-        "--section", type=int, choices=(1, 2, 3), action="append", help="run only these"
+        "--section", type=int, choices=(1, 2, 3, 4, 5), action="append", help="run only these"
     )
+    parser.add_argument("--sweep", action="store_true", help="also sections 4 and 5 (minutes)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -167,15 +187,20 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
         + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}"
+        + f", {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
 
-    sections = set(args.section or (1, 2, 3))
+    sections = set(args.section or ((1, 2, 3, 4, 5) if args.sweep else (1, 2, 3)))
     if 1 in sections:
         section_w_shared(d, tokens, reps)
     if 2 in sections:
         section_b_plus_w(d, tokens, reps)
     if 3 in sections:
         section_analysis()
+    if 4 in sections:
+        section_sweep(args.quick)
+    if 5 in sections:
+        section_per_node(args.quick)
 
 
 def section_w_shared(d: int, tokens: int, reps: int) -> None:
@@ -244,6 +269,69 @@ def section_analysis() -> None:
             times.append(time.perf_counter() - start)
         t = min(times) * 1e3
         print(f"{layers:>6} | {graph.num_nodes:>6} | {t:7.2f} | {t * 1e3 / graph.num_nodes:7.2f}")
+
+
+# (d, depth) of the Linear + tanh stacks of section 4; d=4096 stops at depth 12
+# (2.4 GiB of parameters and gradients alone at depth 48).
+SWEEP = ((64, 12), (64, 48), (64, 192), (256, 12), (256, 48), (256, 192), (1024, 12), (1024, 48))
+SWEEP_LARGE = ((4096, 12),)
+
+
+def section_sweep(quick: bool) -> None:
+    tokens = 128
+    print(
+        f"\n4. B+W over stage sizes: depth x (Linear(d) + tanh), {tokens} tokens; thread CPU ms (min)"
+    )
+    print("   overhead = gradsafe / fused - 1; '<5%' marks rows where it is under 5 %")
+    print(
+        f"{'d':>5} {'depth':>5} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
+        f"{'overhead':>8} | {'gs/torch':>8} | {'noise':>5} |"
+    )
+    reps = 3 if quick else 7
+    for d, depth in SWEEP + (() if quick else SWEEP_LARGE):
+        model, fwd = linear_stack(depth, d, False, True)
+        # Default init shrinks activations ~1.7x per layer: deep stacks would
+        # run on denormals (100x slower arithmetic). Tanh's gain keeps them O(1).
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=5 / 3 / math.sqrt(d))
+        r = measure(model, fwd, (tokens, d), reps, warmup=2 if d >= 1024 else 3)
+        gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
+        over = gs["total"] / fu["total"] - 1
+        vs_torch = "crash" if tc is None else f"{gs['total'] / tc['total']:.2f}"
+        print(
+            f"{d:>5} {depth:>5} {5 * depth:>6} | {fu['total']:8.2f} | {fmt(None if tc is None else tc['total']):>8} | "
+            f"{gs['total']:8.2f} | {over * 100:7.1f}% | {vs_torch:>8} | {gs['noise']:5.2f} | "
+            + ("<5%" if over < 0.05 else "")
+        )
+        del model, fwd
+
+
+def section_per_node(quick: bool) -> None:
+    print(
+        "\n5. Per-node cost: transformer blocks, d=16, batch 2 x 4 tokens (the work is all per node);"
+        " thread CPU ms (min)"
+    )
+    print(
+        f"{'layers':>6} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
+        f"{'(gs-fused)/node':>15} | {'(gs-torch)/node':>15} | {'noise':>5}"
+    )
+    for layers in (24, 96, 384) if quick else (24, 96, 384, 816):
+        model, fwd = transformer(layers, 16)
+        x = torch.randn(2, 4, 16, requires_grad=True)
+        out = fwd(x)
+        nodes = _graph.analyze([get_gradient_edge(out)], [get_gradient_edge(x).node]).num_nodes
+        del out
+        # torch's W is quadratic in the nodes here (18 s at 23 k nodes): not run beyond 6 k.
+        r = measure(model, fwd, (2, 4, 16), 3, warmup=2, skip=("torch",) if nodes > 6000 else ())
+        gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
+        torch_ms = "skipped" if tc is None else f"{tc['total']:8.1f}"
+        per_torch = "-" if tc is None else f"{(gs['total'] - tc['total']) / nodes * 1e3:.2f} us"
+        print(
+            f"{layers:>6} {nodes:>6} | {fu['total']:8.1f} | {torch_ms:>8} | {gs['total']:8.1f} | "
+            f"{(gs['total'] - fu['total']) / nodes * 1e3:12.2f} us | {per_torch:>15} | "
+            f"{gs['noise']:5.2f}"
+        )
 
 
 if __name__ == "__main__":
