@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import _backward as torch_split
 
-from gradsafe.pipelining import _graph, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import _graph, _weight_pass, stage_backward_input, stage_backward_weight
 from gradsafe.pipelining._hazards import ReusedLinear
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -176,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
     parser.add_argument(
-        "--section", type=int, choices=(1, 2, 3, 4, 5), action="append", help="run only these"
+        "--section", type=int, choices=(1, 2, 3, 4, 5, 6), action="append", help="run only these"
     )
     parser.add_argument("--sweep", action="store_true", help="also sections 4 and 5 (minutes)")
     args = parser.parse_args()
@@ -190,7 +190,7 @@ def main() -> None:
         + f", {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
 
-    sections = set(args.section or ((1, 2, 3, 4, 5) if args.sweep else (1, 2, 3)))
+    sections = set(args.section or ((1, 2, 3, 4, 5, 6) if args.sweep else (1, 2, 3, 6)))
     if 1 in sections:
         section_w_shared(d, tokens, reps)
     if 2 in sections:
@@ -201,6 +201,8 @@ def main() -> None:
         section_sweep(args.quick)
     if 5 in sections:
         section_per_node(args.quick)
+    if 6 in sections:
+        section_own(reps)
 
 
 def section_w_shared(d: int, tokens: int, reps: int) -> None:
@@ -280,14 +282,14 @@ SWEEP_LARGE = ((4096, 12),)
 def section_sweep(quick: bool) -> None:
     tokens = 128
     print(
-        f"\n4. B+W over stage sizes: depth x (Linear(d) + tanh), {tokens} tokens; thread CPU ms (min)"
+        f"\n4. B+W over stage sizes: depth x (Linear(d) + tanh), {tokens} tokens; thread CPU ms"
+        f" (min of {3 if quick else 7})"
     )
     print("   overhead = gradsafe / fused - 1; '<5%' marks rows where it is under 5 %")
     print(
         f"{'d':>5} {'depth':>5} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
         f"{'overhead':>8} | {'gs/torch':>8} | {'noise':>5} |"
     )
-    reps = 3 if quick else 7
     for d, depth in SWEEP + (() if quick else SWEEP_LARGE):
         model, fwd = linear_stack(depth, d, False, True)
         # Default init shrinks activations ~1.7x per layer: deep stacks would
@@ -295,33 +297,38 @@ def section_sweep(quick: bool) -> None:
         for layer in model.modules():
             if isinstance(layer, nn.Linear):
                 nn.init.normal_(layer.weight, std=5 / 3 / math.sqrt(d))
-        r = measure(model, fwd, (tokens, d), reps, warmup=2 if d >= 1024 else 3)
+        nodes = _nodes(fwd, (tokens, d))
+        r = measure(model, fwd, (tokens, d), 3 if quick else 7, warmup=2 if d >= 1024 else 3)
         gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
         over = gs["total"] / fu["total"] - 1
         vs_torch = "crash" if tc is None else f"{gs['total'] / tc['total']:.2f}"
         print(
-            f"{d:>5} {depth:>5} {5 * depth:>6} | {fu['total']:8.2f} | {fmt(None if tc is None else tc['total']):>8} | "
+            f"{d:>5} {depth:>5} {nodes:>6} | {fu['total']:8.2f} | {fmt(None if tc is None else tc['total']):>8} | "
             f"{gs['total']:8.2f} | {over * 100:7.1f}% | {vs_torch:>8} | {gs['noise']:5.2f} | "
             + ("<5%" if over < 0.05 else "")
         )
         del model, fwd
 
 
+def _nodes(fwd: Forward, shape: tuple[int, ...]) -> int:
+    """Autograd nodes of one stage backward (as B's walk counts them)."""
+    x = torch.randn(*shape, requires_grad=True)
+    out = fwd(x)
+    return _graph.analyze([get_gradient_edge(out)], [get_gradient_edge(x).node]).num_nodes
+
+
 def section_per_node(quick: bool) -> None:
     print(
         "\n5. Per-node cost: transformer blocks, d=16, batch 2 x 4 tokens (the work is all per node);"
-        " thread CPU ms (min)"
+        " thread CPU ms (min of 3)"
     )
     print(
         f"{'layers':>6} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
-        f"{'(gs-fused)/node':>15} | {'(gs-torch)/node':>15} | {'noise':>5}"
+        f"{'(gs-fused)/node':>15} | {'gs/fused':>8} | {'(gs-torch)/node':>15} | {'noise':>5}"
     )
     for layers in (24, 96, 384) if quick else (24, 96, 384, 816):
         model, fwd = transformer(layers, 16)
-        x = torch.randn(2, 4, 16, requires_grad=True)
-        out = fwd(x)
-        nodes = _graph.analyze([get_gradient_edge(out)], [get_gradient_edge(x).node]).num_nodes
-        del out
+        nodes = _nodes(fwd, (2, 4, 16))
         # torch's W is quadratic in the nodes here (18 s at 23 k nodes): not run beyond 6 k.
         r = measure(model, fwd, (2, 4, 16), 3, warmup=2, skip=("torch",) if nodes > 6000 else ())
         gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
@@ -329,9 +336,77 @@ def section_per_node(quick: bool) -> None:
         per_torch = "-" if tc is None else f"{(gs['total'] - tc['total']) / nodes * 1e3:.2f} us"
         print(
             f"{layers:>6} {nodes:>6} | {fu['total']:8.1f} | {torch_ms:>8} | {gs['total']:8.1f} | "
-            f"{(gs['total'] - fu['total']) / nodes * 1e3:12.2f} us | {per_torch:>15} | "
+            f"{(gs['total'] - fu['total']) / nodes * 1e3:12.2f} us | "
+            f"{gs['total'] / fu['total']:8.2f} | {per_torch:>15} | "
             f"{gs['noise']:5.2f}"
         )
+
+
+class _Timed:
+    """Thread CPU time spent inside calls of ``owner.name`` (those ``only`` admits) while installed."""
+
+    def __init__(self, owner: Any, name: str, only: Callable[..., bool] = lambda *a: True) -> None:
+        self.owner, self.name, self.only = owner, name, only
+        self.inner = getattr(owner, name)
+        self.total = 0.0
+
+    def __enter__(self) -> _Timed:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.only(*args):
+                return self.inner(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                self.total += time.thread_time() - start
+
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.owner, self.name, self.inner)
+
+
+def section_own(reps: int) -> None:
+    print(
+        "\n6. gradsafe's own time: B+W minus the work any split does (B's engine call, W's node"
+        " calls and reductions, W's delivery engine calls); thread CPU ms, median. 'own' still"
+        " counts freeing the gradients W consumed"
+    )
+    print(
+        f"{'model':<40} | {'fused':>7} | {'gs B+W':>7} | {'engine+nodes':>12} | {'own':>6} | "
+        f"{'own/fused':>9}"
+    )
+    models = {
+        "12 transformer blocks (d=128)": (transformer(12, 128), (4, 128, 128)),
+        "small: 12 distinct Linear(64), 64 tokens": (linear_stack(12, 64, False, True), (64, 64)),
+        "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
+    }
+    for label, ((model, fwd), shape) in models.items():
+        fused, totals, work = [], [], []
+        for rep in range(reps + 3):
+            model.zero_grad(set_to_none=True)
+            fu = IMPLS["fused"].run(model, fwd, torch.randn(*shape, requires_grad=True))[0][1]
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(*shape, requires_grad=True)
+            # What gradsafe runs that a split must: B's engine call, each node W calls
+            # for its weight part, the reductions of broadcast gradients the engine
+            # would make, and the engine calls that deliver (those without `wanted`;
+            # the one with it only hosts the node calls).
+            with (
+                _Timed(torch.autograd, "grad") as b_engine,
+                _Timed(_weight_pass, "call_node") as nodes,
+                _Timed(torch.Tensor, "sum_to_size") as reduce,
+                _Timed(_weight_pass, "run_backward", lambda *a: len(a) < 3) as deliver,
+            ):
+                tb, tw = IMPLS["gradsafe"].run(model, fwd, x)
+            if rep >= 3:
+                fused.append(fu)
+                totals.append(tb[1] + tw[1])
+                work.append(b_engine.total + nodes.total + reduce.total + deliver.total)
+        f, t, w = (statistics.median(v) * 1e3 for v in (fused, totals, work))
+        own = statistics.median(a - b for a, b in zip(totals, work)) * 1e3
+        print(f"{label:<40} | {f:7.2f} | {t:7.2f} | {w:12.2f} | {own:6.2f} | {own / f * 100:8.1f}%")
 
 
 if __name__ == "__main__":
