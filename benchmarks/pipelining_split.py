@@ -26,6 +26,7 @@ import datetime
 import math
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -92,11 +93,20 @@ def transformer(layers: int, d: int) -> tuple[nn.Module, Forward]:
     return stack, stack
 
 
-def _time(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall, thread CPU) seconds of one call."""
+# Minor page faults of this thread (Linux); of the process elsewhere.
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _time(fn: Callable[[], Any]) -> tuple[float, float, int]:
+    """(wall, thread CPU) seconds and minor page faults of one call."""
+    faults = resource.getrusage(_RUSAGE).ru_minflt
     wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - wall, time.thread_time() - cpu
+    return (
+        time.perf_counter() - wall,
+        time.thread_time() - cpu,
+        resource.getrusage(_RUSAGE).ru_minflt - faults,
+    )
 
 
 class Impl:
@@ -105,12 +115,12 @@ class Impl:
 
     def run(
         self, model: nn.Module, fwd: Forward, x: torch.Tensor
-    ) -> tuple[tuple[float, float], ...]:
+    ) -> tuple[tuple[float, float, int], ...]:
         """(wall, CPU) of B and of W; for the fused backward, all of it is B."""
         out = fwd(x)
         g = torch.ones_like(out)
         if self.b is None:  # fused
-            return _time(lambda: torch.autograd.backward([out], [g])), (0.0, 0.0)
+            return _time(lambda: torch.autograd.backward([out], [g])), (0.0, 0.0, 0)
         box: dict[str, Any] = {}
         tb = _time(lambda: box.setdefault("h", self.b([out], [g], [x], model.parameters())[1]))
         tw = _time(lambda: self.w(model.parameters(), box["h"]))
@@ -124,6 +134,9 @@ IMPLS = {
 }
 
 
+FIXED_ORDER = False  # --fixed-order: fused, gradsafe, torch in every repetition (the old way)
+
+
 def measure(
     model: nn.Module,
     fwd: Forward,
@@ -133,11 +146,12 @@ def measure(
     skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Per implementation: B, W and B+W in CPU ms (min), B+W CPU median, B+W wall min, noise."""
-    samples: dict[str, list[tuple[tuple[float, float], ...]]] = {k: [] for k in IMPLS}
+    samples: dict[str, list[tuple[tuple[float, float, int], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
     names = [name for name in IMPLS if name not in skip]
     for rep in range(reps + warmup):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+        turn = 0 if FIXED_ORDER else rep % len(names)
+        for name in names[turn:] + names[:turn]:
             impl = IMPLS[name]
             if name in crashed:
                 continue
@@ -163,6 +177,7 @@ def measure(
             "median": statistics.median(cpu) * 1e3,
             "wall": min(b[0] + w[0] for b, w in s) * 1e3,
             "noise": statistics.median(cpu) / min(cpu),
+            "faults": statistics.median(b[2] + w[2] for b, w in s),
         }
     result["crashed"] = crashed
     return result
@@ -179,7 +194,14 @@ def main() -> None:
         "--section", type=int, choices=(1, 2, 3, 4, 5, 6), action="append", help="run only these"
     )
     parser.add_argument("--sweep", action="store_true", help="also sections 4 and 5 (minutes)")
+    parser.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="no rotation: shows the page faults a fixed order charges to one implementation",
+    )
     args = parser.parse_args()
+    global FIXED_ORDER
+    FIXED_ORDER = args.fixed_order
     torch.manual_seed(0)
     torch.set_num_threads(1)
     reps = 5 if args.quick else 15
@@ -238,10 +260,14 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         "small: 12 distinct Linear(64), 64 tokens": (linear_stack(12, 64, False, True), (64, 64)),
         "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
     }
-    print("   thread CPU ms (min over repetitions); ratios of CPU min, CPU median and wall min")
+    print(
+        "   thread CPU ms (min over repetitions); ratios of CPU min, CPU median and wall min;"
+        " minor page faults per backward (median) of fused, gradsafe B+W, torch B+W"
+        + (" (fixed order: fused, gradsafe, torch)" if FIXED_ORDER else "")
+    )
     print(
         f"{'model':<40} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
-        f"{'gs/fused min/med/wall':>22} | {'gs/torch min/med/wall':>22} | {'noise':>5}"
+        f"{'gs/fused min/med/wall':>22} | {'gs/torch min/med/wall':>22} | {'noise':>5} | faults"
     )
     for label, ((model, fwd), shape) in models.items():
         r = measure(model, fwd, shape, reps)
@@ -251,7 +277,8 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         print(
             f"{label:<40} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
             f"{fmt(None if tc is None else tc['total']):>9} | {ratios(gs, fu):>22} | {vs_torch:>22} | "
-            f"{gs['noise']:5.2f}"
+            f"{gs['noise']:5.2f} | {fu['faults']:.0f} {gs['faults']:.0f} "
+            + ("-" if tc is None else f"{tc['faults']:.0f}")
         )
 
 
@@ -374,8 +401,8 @@ def section_own(reps: int) -> None:
         " counts freeing the gradients W consumed"
     )
     print(
-        f"{'model':<40} | {'fused':>7} | {'gs B+W':>7} | {'engine+nodes':>12} | {'own':>6} | "
-        f"{'own/fused':>9}"
+        f"{'model':<40} | {'fused':>7} | {'gs B+W':>7} | {'B engine':>8} | {'W nodes':>7} | "
+        f"{'reduce':>6} | {'deliver':>7} | {'own':>6} | {'own/fused':>9}"
     )
     models = {
         "12 transformer blocks (d=128)": (transformer(12, 128), (4, 128, 128)),
@@ -383,10 +410,10 @@ def section_own(reps: int) -> None:
         "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
     }
     for label, ((model, fwd), shape) in models.items():
-        fused, totals, work = [], [], []
+        rows: list[tuple[float, ...]] = []
         for rep in range(reps + 3):
             model.zero_grad(set_to_none=True)
-            fu = IMPLS["fused"].run(model, fwd, torch.randn(*shape, requires_grad=True))[0][1]
+            fused = IMPLS["fused"].run(model, fwd, torch.randn(*shape, requires_grad=True))[0][1]
             model.zero_grad(set_to_none=True)
             x = torch.randn(*shape, requires_grad=True)
             # What gradsafe runs that a split must: B's engine call, each node W calls
@@ -400,13 +427,14 @@ def section_own(reps: int) -> None:
                 _Timed(_weight_pass, "run_backward", lambda *a: len(a) < 3) as deliver,
             ):
                 tb, tw = IMPLS["gradsafe"].run(model, fwd, x)
+            parts = (b_engine.total, nodes.total, reduce.total, deliver.total)
             if rep >= 3:
-                fused.append(fu)
-                totals.append(tb[1] + tw[1])
-                work.append(b_engine.total + nodes.total + reduce.total + deliver.total)
-        f, t, w = (statistics.median(v) * 1e3 for v in (fused, totals, work))
-        own = statistics.median(a - b for a, b in zip(totals, work)) * 1e3
-        print(f"{label:<40} | {f:7.2f} | {t:7.2f} | {w:12.2f} | {own:6.2f} | {own / f * 100:8.1f}%")
+                rows.append((fused, tb[1] + tw[1], *parts, tb[1] + tw[1] - sum(parts)))
+        f, t, be, wn, re, de, own = (statistics.median(col) * 1e3 for col in zip(*rows))
+        print(
+            f"{label:<40} | {f:7.2f} | {t:7.2f} | {be:8.2f} | {wn:7.2f} | {re:6.2f} | {de:7.2f} | "
+            f"{own:6.2f} | {own / f * 100:8.1f}%"
+        )
 
 
 if __name__ == "__main__":
