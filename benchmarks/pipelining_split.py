@@ -9,10 +9,11 @@ given as the minimum and the median over repetitions, with wall time's minimum
 beside it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a
 quiet machine). Ratios are taken between figures of the same kind.
 
-The order of the implementations rotates from one repetition to the next: the
-first backward after another implementation's has returned its memory pays
-that memory's page faults again (glibc hands large freed blocks back to the
-system), and a fixed order charged them to one implementation every time.
+The implementations run in every order in turn (all permutations, one per
+repetition): the backward right after one that freed much memory pays that
+memory's page faults again (glibc hands large freed blocks back to the
+system), and a fixed order charged them to the same implementation every time
+(``--fixed-order`` shows it; so would a rotation, which keeps who follows whom).
 
 Sections 1-3 run by default; ``--sweep`` adds 4 (B+W over stage sizes, d = 64
 to 4096, depth 12 to 192) and 5 (per-node cost on 1.5 k to 50 k nodes), which
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import os
 import platform
@@ -149,9 +151,9 @@ def measure(
     samples: dict[str, list[tuple[tuple[float, float, int], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
     names = [name for name in IMPLS if name not in skip]
+    orders = [list(names)] if FIXED_ORDER else [list(o) for o in itertools.permutations(names)]
     for rep in range(reps + warmup):
-        turn = 0 if FIXED_ORDER else rep % len(names)
-        for name in names[turn:] + names[:turn]:
+        for name in orders[rep % len(orders)]:
             impl = IMPLS[name]
             if name in crashed:
                 continue
