@@ -1,21 +1,34 @@
 """Split backward (B/W) cost: gradsafe vs torch's own vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N]
-Prints the torch version and machine, then times (ms) and ratios measured in
-this one process, interleaving the implementations in every repetition, on one
-intra-op thread. Each figure is thread CPU time (what this thread spent, which
-other processes on a shared machine disturb far less than wall time), given as
-the minimum and the median over repetitions, with wall time's minimum beside
-it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a quiet
-machine). Ratios are taken between figures of the same kind.
+Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N] [--sweep]
+Prints the torch version, machine and date, then times (ms) and ratios measured
+in this one process, interleaving the implementations in every repetition, on
+one intra-op thread. Each figure is thread CPU time (what this thread spent,
+which other processes on a shared machine disturb far less than wall time),
+given as the minimum and the median over repetitions, with wall time's minimum
+beside it; "noise" is median / minimum of gradsafe's CPU time (close to 1 on a
+quiet machine). Ratios are taken between figures of the same kind.
+
+The implementations run in every order in turn (all permutations, one per
+repetition): the backward right after one that freed much memory pays that
+memory's page faults again (glibc hands large freed blocks back to the
+system), and a fixed order charged them to the same implementation every time
+(``--fixed-order`` shows it; so would a rotation, which keeps who follows whom).
+
+Sections 1-3 run by default; ``--sweep`` adds 4 (B+W over stage sizes, d = 64
+to 4096, depth 12 to 192) and 5 (per-node cost on 1.5 k to 50 k nodes), which
+take several minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import itertools
 import math
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +40,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import _backward as torch_split
 
-from gradsafe.pipelining import _graph, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import _graph, _weight_pass, stage_backward_input, stage_backward_weight
 from gradsafe.pipelining._hazards import ReusedLinear
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -82,11 +95,20 @@ def transformer(layers: int, d: int) -> tuple[nn.Module, Forward]:
     return stack, stack
 
 
-def _time(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall, thread CPU) seconds of one call."""
+# Minor page faults of this thread (Linux); of the process elsewhere.
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _time(fn: Callable[[], Any]) -> tuple[float, float, int]:
+    """(wall, thread CPU) seconds and minor page faults of one call."""
+    faults = resource.getrusage(_RUSAGE).ru_minflt
     wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - wall, time.thread_time() - cpu
+    return (
+        time.perf_counter() - wall,
+        time.thread_time() - cpu,
+        resource.getrusage(_RUSAGE).ru_minflt - faults,
+    )
 
 
 class Impl:
@@ -95,12 +117,12 @@ class Impl:
 
     def run(
         self, model: nn.Module, fwd: Forward, x: torch.Tensor
-    ) -> tuple[tuple[float, float], ...]:
+    ) -> tuple[tuple[float, float, int], ...]:
         """(wall, CPU) of B and of W; for the fused backward, all of it is B."""
         out = fwd(x)
         g = torch.ones_like(out)
         if self.b is None:  # fused
-            return _time(lambda: torch.autograd.backward([out], [g])), (0.0, 0.0)
+            return _time(lambda: torch.autograd.backward([out], [g])), (0.0, 0.0, 0)
         box: dict[str, Any] = {}
         tb = _time(lambda: box.setdefault("h", self.b([out], [g], [x], model.parameters())[1]))
         tw = _time(lambda: self.w(model.parameters(), box["h"]))
@@ -114,12 +136,25 @@ IMPLS = {
 }
 
 
-def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+FIXED_ORDER = False  # --fixed-order: fused, gradsafe, torch in every repetition (the old way)
+
+
+def measure(
+    model: nn.Module,
+    fwd: Forward,
+    x_shape: tuple[int, ...],
+    reps: int,
+    warmup: int = 3,
+    skip: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Per implementation: B, W and B+W in CPU ms (min), B+W CPU median, B+W wall min, noise."""
-    samples: dict[str, list[tuple[tuple[float, float], ...]]] = {k: [] for k in IMPLS}
+    samples: dict[str, list[tuple[tuple[float, float, int], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
-    for rep in range(reps + 2):
-        for name, impl in IMPLS.items():
+    names = [name for name in IMPLS if name not in skip]
+    orders = [list(names)] if FIXED_ORDER else [list(o) for o in itertools.permutations(names)]
+    for rep in range(reps + warmup):
+        for name in orders[rep % len(orders)]:
+            impl = IMPLS[name]
             if name in crashed:
                 continue
             model.zero_grad(set_to_none=True)
@@ -129,11 +164,11 @@ def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int)
             except RuntimeError as exc:
                 crashed[name] = str(exc).strip().splitlines()[-1][:60]
                 continue
-            if rep >= 2:  # warm-up
+            if rep >= warmup:
                 samples[name].append(timing)
     result: dict[str, Any] = {}
     for name, s in samples.items():
-        if name in crashed:
+        if name in crashed or name in skip:
             result[name] = None
             continue
         cpu = [b[1] + w[1] for b, w in s]
@@ -144,6 +179,7 @@ def measure(model: nn.Module, fwd: Forward, x_shape: tuple[int, ...], reps: int)
             "median": statistics.median(cpu) * 1e3,
             "wall": min(b[0] + w[0] for b, w in s) * 1e3,
             "noise": statistics.median(cpu) / min(cpu),
+            "faults": statistics.median(b[2] + w[2] for b, w in s),
         }
     result["crashed"] = crashed
     return result
@@ -157,9 +193,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
     parser.add_argument(
-        "--section", type=int, choices=(1, 2, 3), action="append", help="run only these"
+        "--section", type=int, choices=(1, 2, 3, 4, 5, 6), action="append", help="run only these"
+    )
+    parser.add_argument("--sweep", action="store_true", help="also sections 4 and 5 (minutes)")
+    parser.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="no rotation: shows the page faults a fixed order charges to one implementation",
     )
     args = parser.parse_args()
+    global FIXED_ORDER
+    FIXED_ORDER = args.fixed_order
     torch.manual_seed(0)
     torch.set_num_threads(1)
     reps = 5 if args.quick else 15
@@ -167,15 +211,22 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
         + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}"
+        + f", {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
 
-    sections = set(args.section or (1, 2, 3))
+    sections = set(args.section or ((1, 2, 3, 4, 5, 6) if args.sweep else (1, 2, 3, 6)))
     if 1 in sections:
         section_w_shared(d, tokens, reps)
     if 2 in sections:
         section_b_plus_w(d, tokens, reps)
     if 3 in sections:
         section_analysis()
+    if 4 in sections:
+        section_sweep(args.quick)
+    if 5 in sections:
+        section_per_node(args.quick)
+    if 6 in sections:
+        section_own(reps)
 
 
 def section_w_shared(d: int, tokens: int, reps: int) -> None:
@@ -211,10 +262,14 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         "small: 12 distinct Linear(64), 64 tokens": (linear_stack(12, 64, False, True), (64, 64)),
         "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
     }
-    print("   thread CPU ms (min over repetitions); ratios of CPU min, CPU median and wall min")
+    print(
+        "   thread CPU ms (min over repetitions); ratios of CPU min, CPU median and wall min;"
+        " minor page faults per backward (median) of fused, gradsafe B+W, torch B+W"
+        + (" (fixed order: fused, gradsafe, torch)" if FIXED_ORDER else "")
+    )
     print(
         f"{'model':<40} | {'fused':>7} | {'gs B':>7} {'gs W':>7} {'gs B+W':>7} | {'torch B+W':>9} | "
-        f"{'gs/fused min/med/wall':>22} | {'gs/torch min/med/wall':>22} | {'noise':>5}"
+        f"{'gs/fused min/med/wall':>22} | {'gs/torch min/med/wall':>22} | {'noise':>5} | faults"
     )
     for label, ((model, fwd), shape) in models.items():
         r = measure(model, fwd, shape, reps)
@@ -224,7 +279,8 @@ def section_b_plus_w(d: int, tokens: int, reps: int) -> None:
         print(
             f"{label:<40} | {fu['total']:7.2f} | {gs['B']:7.2f} {gs['W']:7.2f} {gs['total']:7.2f} | "
             f"{fmt(None if tc is None else tc['total']):>9} | {ratios(gs, fu):>22} | {vs_torch:>22} | "
-            f"{gs['noise']:5.2f}"
+            f"{gs['noise']:5.2f} | {fu['faults']:.0f} {gs['faults']:.0f} "
+            + ("-" if tc is None else f"{tc['faults']:.0f}")
         )
 
 
@@ -244,6 +300,143 @@ def section_analysis() -> None:
             times.append(time.perf_counter() - start)
         t = min(times) * 1e3
         print(f"{layers:>6} | {graph.num_nodes:>6} | {t:7.2f} | {t * 1e3 / graph.num_nodes:7.2f}")
+
+
+# (d, depth) of the Linear + tanh stacks of section 4; d=4096 stops at depth 12
+# (2.4 GiB of parameters and gradients alone at depth 48).
+SWEEP = ((64, 12), (64, 48), (64, 192), (256, 12), (256, 48), (256, 192), (1024, 12), (1024, 48))
+SWEEP_LARGE = ((4096, 12),)
+
+
+def section_sweep(quick: bool) -> None:
+    tokens = 128
+    print(
+        f"\n4. B+W over stage sizes: depth x (Linear(d) + tanh), {tokens} tokens; thread CPU ms"
+        f" (min of {3 if quick else 7})"
+    )
+    print("   overhead = gradsafe / fused - 1; '<5%' marks rows where it is under 5 %")
+    print(
+        f"{'d':>5} {'depth':>5} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
+        f"{'overhead':>8} | {'gs/torch':>8} | {'noise':>5} |"
+    )
+    for d, depth in SWEEP + (() if quick else SWEEP_LARGE):
+        model, fwd = linear_stack(depth, d, False, True)
+        # Default init shrinks activations ~1.7x per layer: deep stacks would
+        # run on denormals (100x slower arithmetic). Tanh's gain keeps them O(1).
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=5 / 3 / math.sqrt(d))
+        nodes = _nodes(fwd, (tokens, d))
+        r = measure(model, fwd, (tokens, d), 3 if quick else 7, warmup=2 if d >= 1024 else 3)
+        gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
+        over = gs["total"] / fu["total"] - 1
+        vs_torch = "crash" if tc is None else f"{gs['total'] / tc['total']:.2f}"
+        print(
+            f"{d:>5} {depth:>5} {nodes:>6} | {fu['total']:8.2f} | {fmt(None if tc is None else tc['total']):>8} | "
+            f"{gs['total']:8.2f} | {over * 100:7.1f}% | {vs_torch:>8} | {gs['noise']:5.2f} | "
+            + ("<5%" if over < 0.05 else "")
+        )
+        del model, fwd
+
+
+def _nodes(fwd: Forward, shape: tuple[int, ...]) -> int:
+    """Autograd nodes of one stage backward (as B's walk counts them)."""
+    x = torch.randn(*shape, requires_grad=True)
+    out = fwd(x)
+    return _graph.analyze([get_gradient_edge(out)], [get_gradient_edge(x).node]).num_nodes
+
+
+def section_per_node(quick: bool) -> None:
+    print(
+        "\n5. Per-node cost: transformer blocks, d=16, batch 2 x 4 tokens (the work is all per node);"
+        " thread CPU ms (min of 3)"
+    )
+    print(
+        f"{'layers':>6} {'nodes':>6} | {'fused':>8} | {'torch':>8} | {'gradsafe':>8} | "
+        f"{'(gs-fused)/node':>15} | {'gs/fused':>8} | {'(gs-torch)/node':>15} | {'noise':>5}"
+    )
+    for layers in (24, 96, 384) if quick else (24, 96, 384, 816):
+        model, fwd = transformer(layers, 16)
+        nodes = _nodes(fwd, (2, 4, 16))
+        # torch's W is quadratic in the nodes here (18 s at 23 k nodes): not run beyond 6 k.
+        r = measure(model, fwd, (2, 4, 16), 3, warmup=2, skip=("torch",) if nodes > 6000 else ())
+        gs, tc, fu = r["gradsafe"], r["torch"], r["fused"]
+        torch_ms = "skipped" if tc is None else f"{tc['total']:8.1f}"
+        per_torch = "-" if tc is None else f"{(gs['total'] - tc['total']) / nodes * 1e3:.2f} us"
+        print(
+            f"{layers:>6} {nodes:>6} | {fu['total']:8.1f} | {torch_ms:>8} | {gs['total']:8.1f} | "
+            f"{(gs['total'] - fu['total']) / nodes * 1e3:12.2f} us | "
+            f"{gs['total'] / fu['total']:8.2f} | {per_torch:>15} | "
+            f"{gs['noise']:5.2f}"
+        )
+
+
+class _Timed:
+    """Thread CPU time spent inside calls of ``owner.name`` (those ``only`` admits) while installed."""
+
+    def __init__(self, owner: Any, name: str, only: Callable[..., bool] = lambda *a: True) -> None:
+        self.owner, self.name, self.only = owner, name, only
+        self.inner = getattr(owner, name)
+        self.total = 0.0
+
+    def __enter__(self) -> _Timed:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.only(*args):
+                return self.inner(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                self.total += time.thread_time() - start
+
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.owner, self.name, self.inner)
+
+
+def section_own(reps: int) -> None:
+    print(
+        "\n6. gradsafe's own time: B+W minus the work any split does (B's engine call, W's node"
+        " calls and reductions, W's delivery engine calls); thread CPU ms, median. 'own' still"
+        " counts freeing the gradients W consumed"
+    )
+    print(
+        f"{'model':<40} | {'fused':>7} | {'gs B+W':>7} | {'B engine':>8} | {'W nodes':>7} | "
+        f"{'reduce':>6} | {'deliver':>7} | {'own':>6} | {'own/fused':>9}"
+    )
+    models = {
+        "12 transformer blocks (d=128)": (transformer(12, 128), (4, 128, 128)),
+        "small: 12 distinct Linear(64), 64 tokens": (linear_stack(12, 64, False, True), (64, 64)),
+        "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
+    }
+    for label, ((model, fwd), shape) in models.items():
+        rows: list[tuple[float, ...]] = []
+        for rep in range(reps + 3):
+            model.zero_grad(set_to_none=True)
+            fused = IMPLS["fused"].run(model, fwd, torch.randn(*shape, requires_grad=True))[0][1]
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(*shape, requires_grad=True)
+            # What gradsafe runs that a split must: B's engine call, each node W calls
+            # for its weight part, the reductions of broadcast gradients the engine
+            # would make, and the engine calls that deliver (those without `wanted`;
+            # the one with it only hosts the node calls).
+            with (
+                _Timed(torch.autograd, "grad") as b_engine,
+                _Timed(_weight_pass, "call_node") as nodes,
+                _Timed(torch.Tensor, "sum_to_size") as reduce,
+                _Timed(_weight_pass, "run_backward", lambda *a: len(a) < 3) as deliver,
+            ):
+                tb, tw = IMPLS["gradsafe"].run(model, fwd, x)
+            parts = (b_engine.total, nodes.total, reduce.total, deliver.total)
+            if rep >= 3:
+                rows.append((fused, tb[1] + tw[1], *parts, tb[1] + tw[1] - sum(parts)))
+        f, t, be, wn, re, de, own = (statistics.median(col) * 1e3 for col in zip(*rows))
+        print(
+            f"{label:<40} | {f:7.2f} | {t:7.2f} | {be:8.2f} | {wn:7.2f} | {re:6.2f} | {de:7.2f} | "
+            f"{own:6.2f} | {own / f * 100:8.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from gradsafe.pipelining._torch import (
     leaf_variable,
     missing_feature,
     multi_grad_hook_spans,
+    refusable_kind,
     saves_itself,
 )
 
@@ -100,9 +101,13 @@ def refuse_weight_side(graph: StageGraph, input_nodes: set[Node]) -> None:
     for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
         if donates_buffers(node):
             raise SplitBackwardError(DONATED_BUFFERS)
+    # The kinds in one pass at C speed; node by node only those that may be refused.
+    suspects = {kind for kind in set(map(type, graph.nodes)) if refusable_kind(kind)}
+    if not suspects:
+        return
     weight_side = set(graph.weight_nodes)
     for node in graph.nodes:
-        if node in input_nodes:
+        if type(node) not in suspects or node in input_nodes:
             continue  # the previous stage's node: B captures there and never runs it
         if is_reentrant_checkpoint(node):
             side = "weight" if node in weight_side else "input"

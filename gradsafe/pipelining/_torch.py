@@ -103,6 +103,7 @@ __all__ = [
     "donates_buffers",
     "has_other_post_hooks",
     "is_reentrant_checkpoint",
+    "refusable_kind",
     "multi_grad_hook_cells",
     "multi_grad_hook_spans",
     "current_exec_group",
@@ -654,6 +655,15 @@ def donates_buffers(node: Node) -> bool:
 
 def _no_hook(*args: object) -> None:
     return None
+
+
+def refusable_kind(kind: type) -> bool:
+    """Whether nodes of class ``kind`` may be a reentrant checkpoint or save their own output.
+
+    B checks those (:func:`is_reentrant_checkpoint`, :func:`saves_itself`)
+    node by node only for the kinds this admits: most kinds save no output.
+    """
+    return issubclass(kind, _REENTRANT_NODE) or bool(_saved_output_names(kind))
 
 
 def is_reentrant_checkpoint(node: Node) -> bool:
