@@ -128,18 +128,26 @@ class Replays:
 
     Each call is numbered (its generation). A backward may replay the backward
     graph only for the last call: the static activations it reads are that
-    call's.
+    call's, and its outputs must not have been modified in place since (the
+    backward graph may read them, as an eager backward reads a saved output).
     """
 
     def __init__(self) -> None:
         self.latest = 0
+        # Aliases of the latest call's outputs (no autograd history, so no
+        # cycle through the graph) and their versions right after the call.
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._versions: tuple[int, ...] = ()
 
     def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
         """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
         # The outputs are detached views of the static output buffers and share
         # their version counter: tensors saved from an earlier call's outputs
         # now fail at unpack instead of reading this call's values.
-        increment_version([o for o in outputs if isinstance(o, torch.Tensor)])
+        tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+        increment_version(tensors)
+        self._outputs = tuple(o.detach() for o in tensors)
+        self._versions = tuple(o._version for o in tensors)
         self.latest += 1
         ctx.gradsafe_generation = self.latest
         # Also saved, so that a non-reentrant checkpoint's recomputation
@@ -148,16 +156,28 @@ class Replays:
         ctx.save_for_backward(torch.scalar_tensor(self.latest, dtype=torch.int64, device="cpu"))
 
     def check(self, ctx: Any) -> None:
-        """Raise unless the static buffers hold the call whose backward ``ctx`` runs."""
-        if ctx.gradsafe_generation == self.latest:
-            return
-        # Under a non-reentrant torch.utils.checkpoint, unpacking recomputes
-        # the call (a replay with the same inputs) and hands back the
-        # recomputed call's token instead: the buffers then hold this call again.
-        (token,) = ctx.saved_tensors
-        if int(token) == self.latest:
-            return
-        raise RuntimeError(
+        """Raise unless the static buffers hold the call whose backward ``ctx`` runs, unmodified."""
+        if ctx.gradsafe_generation != self.latest:
+            # Under a non-reentrant torch.utils.checkpoint, unpacking recomputes
+            # the call (a replay with the same inputs) and hands back the
+            # recomputed call's token instead: the buffers then hold this call again.
+            (token,) = ctx.saved_tensors
+            if int(token) != self.latest:
+                raise self._called_again(ctx)
+        if any(o._version != v for o, v in zip(self._outputs, self._versions)):
+            raise RuntimeError(
+                "gradsafe.cuda_graphs: an output of this graphed callable was modified in place "
+                "after the call and before its backward. The captured backward graph reads the "
+                "static output buffers wherever an op of the callable saved its output (as "
+                "tanh, sigmoid, softmax and relu do), so it would differentiate the modified "
+                "values; eager autograd refuses the same modification where the output was "
+                "saved. Modify a copy instead (y = graphed(x).clone(), or an out-of-place op). "
+                "Gradients already accumulated by this backward are incomplete: zero them "
+                "before redoing the step."
+            )
+
+    def _called_again(self, ctx: Any) -> RuntimeError:
+        return RuntimeError(
             f"gradsafe.cuda_graphs: this backward belongs to call {ctx.gradsafe_generation} of a "
             f"graphed callable, but the callable was called again since (its latest call is "
             f"{self.latest}). Its backward graph reads the static activations the latest call's "

@@ -273,3 +273,29 @@ def test_saved_tensor_hooks_keep_the_usual_order_exact_and_the_callable_checked(
     _assert_exact(env, "F0 B0 F1 B1", _offloaded)
     with pytest.raises(RuntimeError, match=STALE_CALL):
         _run(env, "F0 F1 B0 B1", _offloaded, _graphed)
+
+
+def _tanh_body(env: Env) -> torch.nn.Module:
+    # Tanh saves its output, so the graphed backward reads the static output buffer.
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(env.device, F64)
+
+
+def test_an_output_modified_in_place_before_its_backward_is_refused(env: Env) -> None:
+    body = _tanh_body(env)
+    graphed = make_graphed_callables(body, (env.randn(2, 4, requires_grad=True),))
+    y = graphed(env.randn(2, 4, requires_grad=True))
+    y.mul_(2)  # eager autograd refuses this at backward (Tanh saved y)
+    with pytest.raises(RuntimeError, match="modified in place after the call"):
+        y.sum().backward()
+
+
+def test_an_output_modified_in_place_after_a_clone_stays_exact(env: Env) -> None:
+    body = _tanh_body(env)
+    x = env.randn(2, 4, requires_grad=True)
+    (body(x).clone().mul_(2) ** 2).sum().backward()
+    want = [p.grad.clone() for p in body.parameters()]
+    body.zero_grad(set_to_none=True)
+    graphed = make_graphed_callables(body, (env.randn(2, 4, requires_grad=True),))
+    (graphed(x).clone().mul_(2) ** 2).sum().backward()
+    for got, expected in zip(body.parameters(), want):
+        torch.testing.assert_close(got.grad, expected, rtol=0, atol=1e-12)
