@@ -20,10 +20,10 @@ other parameter is divided as torch does, when its stage asks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -38,18 +38,22 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
 class _Shared:
-    """One parameter held by several stages: which of them asked for its division since the last one."""
+    """One parameter held by several stages: which of them asked for its division since the last one.
 
-    stages: frozenset[int]  # ids of the stage objects of one schedule that hold it
-    asked: set[int] = dataclasses.field(default_factory=set)
+    Stages are held weakly: a dead stage leaves the set, and a new stage never
+    joins one it was not registered in, whatever address it reuses.
+    """
+
+    def __init__(self, stages: Iterable[object]) -> None:
+        self.stages: weakref.WeakSet[object] = weakref.WeakSet(stages)
+        self.asked: weakref.WeakSet[object] = weakref.WeakSet()
 
     def ask(self, stage: object) -> bool:
         """Note ``stage``'s request; True when it completes the set (and starts the next step's)."""
-        self.asked.add(id(stage))
-        if self.asked >= self.stages:
-            self.asked.clear()
+        self.asked.add(stage)
+        if all(s in self.asked for s in self.stages):
+            self.asked = weakref.WeakSet()
             return True
         return False
 
@@ -63,20 +67,20 @@ class SharedParameters:
 
     def register(self, stages: Sequence[Any]) -> None:
         """Record which parameters several of ``stages`` (one schedule's) hold, none asked yet."""
-        holders: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        holders: dict[int, tuple[torch.Tensor, list[object]]] = {}
         for stage in stages:
             for param in stage.submod.parameters():
-                holders.setdefault(id(param), (param, set()))[1].add(id(stage))
+                holders.setdefault(id(param), (param, []))[1].append(stage)
         with self._lock:
-            for param, ids in holders.values():
-                if len(ids) > 1:
-                    self._shared[param] = _Shared(frozenset(ids))
+            for param, holding in holders.values():
+                if len(holding) > 1:
+                    self._shared[param] = _Shared(holding)
 
     def divide_now(self, param: torch.Tensor, stage: object) -> bool:
         """Whether ``stage``'s ``scale_grads`` divides ``param``'s gradient (False: another stage will)."""
         with self._lock:
             shared = self._shared.get(param)
-            if shared is None or id(stage) not in shared.stages:
+            if shared is None or stage not in shared.stages:
                 return True
             return shared.ask(stage)
 

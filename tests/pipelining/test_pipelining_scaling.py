@@ -108,3 +108,22 @@ def test_unpatch_restores_torchs_scaling() -> None:
         vars(stage._PipelineStageBase)["scale_grads"],
         schedules.PipelineScheduleMulti.__init__,
     ) == before
+
+
+def test_a_stage_never_registered_is_divided_as_torch_does_after_the_registered_ones_died() -> None:
+    import gc
+
+    from gradsafe.pipelining._scaling import SharedParameters
+
+    class Stage:
+        def __init__(self, submod: nn.Module) -> None:
+            self.submod = submod
+
+    table = nn.Parameter(torch.ones(2))
+    shared = SharedParameters()
+    first, last = Stage(nn.ParameterList([table])), Stage(nn.ParameterList([table]))
+    shared.register([first, last])
+    assert not shared.divide_now(table, last)  # waits for the first stage
+    del first, last
+    gc.collect()
+    assert shared.divide_now(table, Stage(nn.ParameterList([table])))
