@@ -157,7 +157,10 @@ class PendingWeightGrads:
                     "set DistributedDataParallelConfig(delay_wgrad_compute=True) and give the module "
                     "that holds the parameter register_wgrad_accumulation_and_reduce_hooks "
                     "(gradsafe.wgrad.megatron.register_megatron_hook); with "
-                    "gradsafe.testing.MegatronStyleDDP pass delay_wgrad_compute=True"
+                    "gradsafe.testing.MegatronStyleDDP pass delay_wgrad_compute=True. If that is "
+                    "already so, the parameter's hook is in another WeightGradStore (gradsafe keeps "
+                    "one Megatron hook per parameter, in the store registered last): a weight "
+                    "tied across modules needs one store for all its delayed uses"
                 )
 
     def _refuse_reads_modified_since_b(self) -> None:
