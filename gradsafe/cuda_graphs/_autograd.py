@@ -3,7 +3,8 @@
 The rule both graphed backwards (``make_graphed_callables`` and the split
 stages) copy by is written once here: :func:`accumulate_grad_keeps`. The base
 class of modes that watch the ops a backward dispatches (``TorchDispatchMode``,
-from a private torch module) is taken from here too.
+from a private torch module) is taken from here too, and a tensor's autograd
+version (:func:`version_of`), which tells an in-place change.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "is_accumulate_grad",
     "is_accumulating_backward",
     "leaf_fate",
+    "version_of",
     "will_execute",
 ]
 
@@ -94,3 +96,8 @@ def accumulate_grad_keeps(leaf: torch.Tensor) -> bool:
     otherwise it adds it into ``.grad`` in place and lets it go.
     """
     return leaf.grad is None or has_tensor_hooks(leaf)
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s autograd version counter (shared by its views), which every in-place change bumps."""
+    return t._version

@@ -48,6 +48,7 @@ from gradsafe.cuda_graphs._autograd import (
     is_accumulate_grad,
     is_accumulating_backward,
     leaf_fate,
+    version_of,
     will_execute,
 )
 
@@ -147,7 +148,7 @@ class Replays:
         tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
         increment_version(tensors)
         self._outputs = tuple(o.detach() for o in tensors)
-        self._versions = tuple(o._version for o in tensors)
+        self._versions = tuple(version_of(o) for o in tensors)
         self.latest += 1
         ctx.gradsafe_generation = self.latest
         # Also saved, so that a non-reentrant checkpoint's recomputation
@@ -164,7 +165,7 @@ class Replays:
             (token,) = ctx.saved_tensors
             if int(token) != self.latest:
                 raise self._called_again(ctx)
-        if any(o._version != v for o, v in zip(self._outputs, self._versions)):
+        if any(version_of(o) != v for o, v in zip(self._outputs, self._versions)):
             raise RuntimeError(
                 "gradsafe.cuda_graphs: an output of this graphed callable was modified in place "
                 "after the call and before its backward. The captured backward graph reads the "
