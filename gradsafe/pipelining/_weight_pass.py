@@ -212,6 +212,19 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
         return None
 
 
+class _Anchor:
+    """What W's helper nodes hang from: a leaf no gradient reaches, and the one their roots get.
+
+    One per W, shared by its passes (each engine call runs after the previous ended).
+    """
+
+    __slots__ = ("leaf", "one")
+
+    def __init__(self) -> None:
+        self.leaf = torch.zeros((), requires_grad=True)
+        self.one = torch.ones(())
+
+
 class _TaskScope(torch.autograd.Function):
     """A helper node whose backward runs ``work`` inside an engine task."""
 
@@ -233,6 +246,7 @@ def _call_intermediates(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     after_call: Callable[[int], None] | None,
+    anchor: _Anchor,
 ) -> None:
     """Call every recorded intermediate once, in B's order, passing what it sends to ``add``.
 
@@ -269,17 +283,14 @@ def _call_intermediates(
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
-    anchor = torch.zeros((), requires_grad=True)
     with torch.enable_grad():
-        scope = _TaskScope.apply(anchor, work)
+        scope = _TaskScope.apply(anchor.leaf, work)
     # `inputs=` puts every weight-side node into the task's execution info
     # (the anchor makes the helper node itself needed); input-side nodes
     # are not in it, so the direct calls skip the outputs that go there.
     wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
     # The anchor's accumulator, the helper's one next edge, makes the helper needed.
-    run_backward(
-        [scope], [torch.ones(())], [GradientEdge(*scope.grad_fn.next_functions[0]), *wanted]
-    )  # type: ignore[union-attr]
+    run_backward([scope], [anchor.one], [GradientEdge(*scope.grad_fn.next_functions[0]), *wanted])  # type: ignore[union-attr]
     if failure:
         raise failure[0]
 
@@ -310,6 +321,7 @@ def leaf_grads(
             weight_nodes,
             leaves,
             None,
+            _Anchor(),
         )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
@@ -436,8 +448,7 @@ def deliver_as_ready(
             edges_of.setdefault(component[node], []).append((node, nr))
 
     deferred: list[Node] = []
-    anchor = torch.zeros((), requires_grad=True)
-    one = torch.ones(())
+    anchor = _Anchor()
 
     def deliver(ready: Sequence[Node]) -> None:
         roots: list[torch.Tensor | GradientEdge] = []
@@ -471,9 +482,9 @@ def deliver_as_ready(
             # `.grad` (a copy, and a second gradient's worth of memory).
             with torch.enable_grad():
                 roots.append(
-                    _Deliver.apply(anchor, to_leaves, (), *(leaf_of[n] for n in leaves_now))
+                    _Deliver.apply(anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now))
                 )
-            grads.append(one)
+            grads.append(anchor.one)
         del to_leaves
         # The graph is retained: a weight-only part may be shared with a later
         # backward (e.g. a weight transform computed once per step).
@@ -515,10 +526,10 @@ def deliver_as_ready(
         if first:
             deliver_or_defer(first)
         if recorded:
-            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
+            _call_intermediates(recorded, add, weight_nodes, leaves, after_call, anchor)
         if deferred:
             deliver(deferred)
     if held:
         with torch.enable_grad():
-            root = _Deliver.apply(anchor, [], held)
-        run_backward([root], [one])
+            root = _Deliver.apply(anchor.leaf, [], held)
+        run_backward([root], [anchor.one])
