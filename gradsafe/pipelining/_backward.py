@@ -38,7 +38,7 @@ from gradsafe.pipelining._refusals import (
 )
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import is_python_node, is_view, leaf_variable, silenced_tensor_hooks
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, WeightEdge
+from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -207,11 +207,7 @@ def _records_for_w(
     """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
     return _WRecords(
         recorded=[
-            Recorded(
-                item.node,
-                captured[item.node],
-                tuple(WeightEdge(e.output_index, e.node, e.input_nr) for e in item.weight_edges),
-            )
+            Recorded(item.node, captured[item.node], item.weight_edges)
             for item in graph.intermediates
             if item not in in_b and any(g is not None for g in captured.get(item.node, ()))
         ],

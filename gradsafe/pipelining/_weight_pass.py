@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
     call_node,
     deferred_callbacks,
@@ -65,14 +66,6 @@ __all__ = [
 ]
 
 EdgeKey = tuple[Node, int]
-
-
-class WeightEdge(NamedTuple):
-    """An intermediate's edge into the weight side: its output ``output_index`` feeds ``node``'s input ``input_nr``."""
-
-    output_index: int
-    node: Node
-    input_nr: int
 
 
 class Recorded(NamedTuple):
@@ -224,20 +217,14 @@ class _Anchor:
         self.leaf = torch.zeros((), requires_grad=True)
         self.one = torch.ones(())
 
-
-class _TaskScope(torch.autograd.Function):
-    """A helper node whose backward runs ``work`` inside an engine task."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, work: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
-        ctx.work = work
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
-        work, ctx.work = ctx.work, None
-        work()
-        return None, None
+    def view(self) -> torch.Tensor:
+        """A tensor whose ``grad_fn`` is a built-in view node with one next edge, leading to the leaf."""
+        if not torch.is_inference_mode_enabled():
+            with torch.enable_grad():
+                return self.leaf.view_as(self.leaf)
+        # W under torch.inference_mode(): the helper still needs a graph.
+        with torch.inference_mode(False), torch.enable_grad():
+            return self.leaf.clone().view_as(self.leaf)
 
 
 def _call_intermediates(
@@ -283,14 +270,18 @@ def _call_intermediates(
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
-    with torch.enable_grad():
-        scope = _TaskScope.apply(anchor.leaf, work)
+    # The helper node, a view of the anchor, runs `work` from a pre-hook:
+    # inside the engine task, before the helper itself runs (a built-in
+    # node and a hook cost less per W than a custom Function).
+    scope = anchor.view()
+    helper = scope.grad_fn
+    helper.register_prehook(lambda grad_outputs: work())  # type: ignore[union-attr]
     # `inputs=` puts every weight-side node into the task's execution info
     # (the anchor makes the helper node itself needed); input-side nodes
     # are not in it, so the direct calls skip the outputs that go there.
     wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
     # The anchor's accumulator, the helper's one next edge, makes the helper needed.
-    run_backward([scope], [anchor.one], [GradientEdge(*scope.grad_fn.next_functions[0]), *wanted])  # type: ignore[union-attr]
+    run_backward([scope], [anchor.one], [GradientEdge(*helper.next_functions[0]), *wanted])  # type: ignore[union-attr]
     if failure:
         raise failure[0]
 
