@@ -14,8 +14,9 @@ outputs (:func:`_detach_outputs`) and hand the rest to W.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -37,7 +38,7 @@ from gradsafe.pipelining._refusals import (
 )
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import is_python_node, is_view, leaf_variable, silenced_tensor_hooks
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, WeightEdge
+from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -122,11 +123,14 @@ def stage_backward_input(
         >>> torch.equal(stage.weight.grad, torch.ones(2, 4) @ x.detach())
         True
     """
-    # B builds autograd nodes of its own (views of outputs, its record hooks);
-    # under torch.inference_mode() those would be inference tensors without a
-    # graph. A fused backward works there, so B does too.
-    with torch.inference_mode(False), collector_paused():
-        return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
+    with collector_paused():
+        if not torch.is_inference_mode_enabled():
+            return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
+        # B builds autograd nodes of its own (views of outputs, its record hooks);
+        # under torch.inference_mode() those would be inference tensors without a
+        # graph. A fused backward works there, so B does too.
+        with torch.inference_mode(False):
+            return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
 
 
 def _stage_backward_input(
@@ -203,11 +207,7 @@ def _records_for_w(
     """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
     return _WRecords(
         recorded=[
-            Recorded(
-                item.node,
-                captured[item.node],
-                tuple(WeightEdge(e.output_index, e.node, e.input_nr) for e in item.weight_edges),
-            )
+            Recorded(item.node, captured[item.node], item.weight_edges)
             for item in graph.intermediates
             if item not in in_b and any(g is not None for g in captured.get(item.node, ()))
         ],
@@ -251,7 +251,12 @@ def _run_b(
         # tensor hooks (which the engine runs at a capture) run there, once.
         b_roots = [roots[i] for i in (*graph.input_side_outputs, *sorted(k_outputs))]
         if b_roots and inputs:
-            with entered(group), silenced_tensor_hooks([graph.leaves[n] for n in k_leaves]):
+            # The common stage (no checkpoints, no K) enters no context: B's fixed cost.
+            with (
+                _NO_CONTEXT
+                if group is None and not k_leaves
+                else _b_context(group, [graph.leaves[n] for n in k_leaves])
+            ):
                 grads = torch.autograd.grad(
                     [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
                     [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],  # type: ignore[operator, misc]
@@ -270,6 +275,16 @@ def _run_b(
         for handle in handles:
             handle.remove()
     return captured, at_leaves
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: enters and exits as often as needed
+
+
+@contextlib.contextmanager
+def _b_context(group: Any, k_leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """B's engine call runs in the stage's checkpoint group, with ``K``'s leaves' tensor hooks silenced."""
+    with entered(group), silenced_tensor_hooks(k_leaves):
+        yield
 
 
 def _detach_outputs(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -28,14 +29,15 @@ __all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze"]
 _REACHES_INPUT = 1
 _REACHES_PARAM = 2
 
-# The walk makes one WeightEdge and Intermediate per intermediate: not frozen
-# (a frozen dataclass's __init__ costs ~4x, which dominated the walk on graphs
-# of many small custom nodes), compared by identity (each is made once).
+# The walk makes one Intermediate per intermediate: not frozen (a frozen
+# dataclass's __init__ costs ~4x, which dominated the walk on graphs of many
+# small custom nodes), compared by identity (each is made once). Its
+# WeightEdges go to W as they are.
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class WeightEdge:
-    """Next edge ``output_index`` of an intermediate, into the weight-only side."""
+class WeightEdge(NamedTuple):
+    """Next edge ``output_index`` of an intermediate: its output feeds ``node``'s input ``input_nr``,
+    on the weight-only side."""
 
     output_index: int
     node: Node

@@ -26,6 +26,7 @@ from gradsafe.pipelining._torch import (
     engine_error,
     fsdp_counterparts,
     has_other_post_hooks,
+    is_python_kind,
     is_reentrant_checkpoint,
     leaf_variable,
     missing_feature,
@@ -98,11 +99,14 @@ def refuse_inputs(
 def refuse_weight_side(graph: StageGraph, input_nodes: set[Node]) -> None:
     """Refuse compiled blocks already compiled donating buffers, reentrant checkpoints anywhere
     in the stage, and saved-tensor hooks that pack a node's own output as itself."""
-    for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
-        if donates_buffers(node):
-            raise SplitBackwardError(DONATED_BUFFERS)
     # The kinds in one pass at C speed; node by node only those that may be refused.
-    suspects = {kind for kind in set(map(type, graph.nodes)) if refusable_kind(kind)}
+    kinds = set(map(type, graph.nodes))
+    if any(map(is_python_kind, kinds)):
+        # Only a custom Function's node (a compiled block's) may donate buffers.
+        for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
+            if donates_buffers(node):
+                raise SplitBackwardError(DONATED_BUFFERS)
+    suspects = {kind for kind in kinds if refusable_kind(kind)}
     if not suspects:
         return
     weight_side = set(graph.weight_nodes)

@@ -118,6 +118,7 @@ __all__ = [
     "fsdp_counterparts",
     "grad_target",
     "input_meta",
+    "is_python_kind",
     "is_python_node",
     "is_view",
     "leaf_variable",
@@ -133,6 +134,11 @@ def is_python_node(node: Node) -> bool:
     return isinstance(node, torch._C._FunctionBase)
 
 
+def is_python_kind(kind: type) -> bool:
+    """Whether nodes of class ``kind`` are custom ``autograd.Function`` nodes."""
+    return issubclass(kind, torch._C._FunctionBase)
+
+
 def runs_whole(node: Node) -> bool:
     """Whether ``node``'s backward is user code that computes all its gradients in one call.
 
@@ -143,8 +149,30 @@ def runs_whole(node: Node) -> bool:
     """
     if is_python_node(node):
         return True
-    name = node.name()
-    return name.startswith("torch::autograd::CppNode<") or name == "torch::autograd::CopySlices"
+    kind = type(node)
+    whole = _WHOLE_KINDS.get(kind)
+    if whole is None:
+        name = node.name()
+        whole = (
+            name.startswith("torch::autograd::CppNode<") or name == "torch::autograd::CopySlices"
+        )
+        if _named_by_kind(kind, name):
+            _WHOLE_KINDS[kind] = whole
+    return whole
+
+
+# Per built-in node class, whether its nodes run whole / may crash a
+# weight-only call: read once per class, not once per node of every B. Only
+# for classes named as their nodes (each built-in kind's generated class, a
+# process-lifetime object); a class shared by nodes of several names (C++
+# custom Functions, nodes torch binds no class of their own) is asked node
+# by node, and so are custom Functions' classes (made at run time).
+_WHOLE_KINDS: dict[type, bool] = {}
+_CRASH_KINDS: dict[type, bool] = {}
+
+
+def _named_by_kind(kind: type, name: str) -> bool:
+    return kind.__name__ == name
 
 
 def input_meta(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype, torch.device]:
@@ -368,26 +396,34 @@ def _silenced(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
                     hooks[key] = hook
 
 
-@contextlib.contextmanager
-def deferred_callbacks(nodes: set[Node]) -> Iterator[list[Callable[[], None]]]:
-    """Hold the end-of-backward callbacks that hooks of ``nodes`` queue, in the yielded list.
+class deferred_callbacks:  # noqa: N801 - a context manager, used as `with deferred_callbacks(nodes) as held:`
+    """Hold the end-of-backward callbacks that hooks of ``nodes`` queue, in the list ``with`` yields.
 
     ``queue_callback`` runs a callback when the current engine call ends. W's
     weight-only pass ends before its delivery pass gives the parameters their
     gradients, where a fused backward's callbacks run after: the caller queues
     the held callbacks from inside its delivery pass. A callback queued while
     any other node runs (another thread's backward) goes to the engine as usual.
+
+    A class, not a generator-based context manager: W enters it once per call.
     """
-    held: list[Callable[[], None]] = []
-    entry = (nodes, held)
-    with _engine_wrapped():
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, nodes: set[Node]) -> None:
+        self._entry: tuple[set[Node], list[Callable[[], None]]] = (nodes, [])
+
+    def __enter__(self) -> list[Callable[[], None]]:
         with _ENGINE_LOCK:
-            _DEFERRING.append(entry)
-        try:
-            yield held
-        finally:
-            with _ENGINE_LOCK:
-                _DEFERRING[:] = [e for e in _DEFERRING if e is not entry]
+            _wrap_engine()
+            _DEFERRING.append(self._entry)
+        return self._entry[1]
+
+    def __exit__(self, *exc: object) -> None:
+        entry = self._entry
+        with _ENGINE_LOCK:
+            _DEFERRING[:] = [e for e in _DEFERRING if e is not entry]
+            _unwrap_engine()
 
 
 @contextlib.contextmanager
@@ -423,20 +459,30 @@ _DEFERRING: list[tuple[set[Node], list[Callable[[], None]]]] = []
 @contextlib.contextmanager
 def _engine_wrapped() -> Iterator[None]:
     """autograd's engine wrapped in a :class:`_Engine` while any caller needs it."""
-    from torch.autograd.variable import Variable
-
     with _ENGINE_LOCK:
-        if _ENGINE_USERS[0] == 0:
-            Variable._execution_engine = _Engine(Variable._execution_engine)  # type: ignore[attr-defined,assignment]
-        _ENGINE_USERS[0] += 1
+        _wrap_engine()
     try:
         yield
     finally:
         with _ENGINE_LOCK:
-            _ENGINE_USERS[0] -= 1
-            engine = Variable._execution_engine  # type: ignore[attr-defined]
-            if _ENGINE_USERS[0] == 0 and isinstance(engine, _Engine):
-                Variable._execution_engine = engine.engine  # type: ignore[attr-defined]
+            _unwrap_engine()
+
+
+def _wrap_engine() -> None:
+    # Under _ENGINE_LOCK: one more user of the wrapper; the first installs it.
+    if _ENGINE_USERS[0] == 0:
+        torch.autograd.Variable._execution_engine = _Engine(  # type: ignore[attr-defined,assignment]
+            torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        )
+    _ENGINE_USERS[0] += 1
+
+
+def _unwrap_engine() -> None:
+    # Under _ENGINE_LOCK: one user fewer; the last puts autograd's engine back.
+    _ENGINE_USERS[0] -= 1
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    if _ENGINE_USERS[0] == 0 and isinstance(engine, _Engine):
+        torch.autograd.Variable._execution_engine = engine.engine  # type: ignore[attr-defined]
 
 
 class _Engine:
@@ -589,8 +635,14 @@ def crashes_weight_only(node: Node) -> bool:
     once per process. A probe that cannot run counts as a crash: computing
     the node whole is always exact.
     """
-    script = _CRASH_PROBES.get(node.name())
-    if script is None:
+    kind = type(node)
+    probed = _CRASH_KINDS.get(kind)
+    if probed is None:
+        name = node.name()
+        probed = name in _CRASH_PROBES
+        if _named_by_kind(kind, name) and not is_python_node(node):
+            _CRASH_KINDS[kind] = probed
+    if not probed:
         return False
     saved = getattr(node, "_saved_input", None)
     if not isinstance(saved, torch.Tensor) or saved.dim() not in (4, 5) or saved.is_contiguous():

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
     call_node,
     deferred_callbacks,
@@ -65,14 +66,6 @@ __all__ = [
 ]
 
 EdgeKey = tuple[Node, int]
-
-
-class WeightEdge(NamedTuple):
-    """An intermediate's edge into the weight side: its output ``output_index`` feeds ``node``'s input ``input_nr``."""
-
-    output_index: int
-    node: Node
-    input_nr: int
 
 
 class Recorded(NamedTuple):
@@ -212,19 +205,26 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
         return None
 
 
-class _TaskScope(torch.autograd.Function):
-    """A helper node whose backward runs ``work`` inside an engine task."""
+class _Anchor:
+    """What W's helper nodes hang from: a leaf no gradient reaches, and the one their roots get.
 
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, work: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
-        ctx.work = work
-        return anchor.clone()
+    One per W, shared by its passes (each engine call runs after the previous ended).
+    """
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
-        work, ctx.work = ctx.work, None
-        work()
-        return None, None
+    __slots__ = ("leaf", "one")
+
+    def __init__(self) -> None:
+        self.leaf = torch.zeros((), requires_grad=True)
+        self.one = torch.ones(())
+
+    def view(self) -> torch.Tensor:
+        """A tensor whose ``grad_fn`` is a built-in view node with one next edge, leading to the leaf."""
+        if not torch.is_inference_mode_enabled():
+            with torch.enable_grad():
+                return self.leaf.view_as(self.leaf)
+        # W under torch.inference_mode(): the helper still needs a graph.
+        with torch.inference_mode(False), torch.enable_grad():
+            return self.leaf.clone().view_as(self.leaf)
 
 
 def _call_intermediates(
@@ -233,6 +233,7 @@ def _call_intermediates(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     after_call: Callable[[int], None] | None,
+    anchor: _Anchor,
 ) -> None:
     """Call every recorded intermediate once, in B's order, passing what it sends to ``add``.
 
@@ -269,17 +270,18 @@ def _call_intermediates(
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
-    anchor = torch.zeros((), requires_grad=True)
-    with torch.enable_grad():
-        scope = _TaskScope.apply(anchor, work)
+    # The helper node, a view of the anchor, runs `work` from a pre-hook:
+    # inside the engine task, before the helper itself runs (a built-in
+    # node and a hook cost less per W than a custom Function).
+    scope = anchor.view()
+    helper = scope.grad_fn
+    helper.register_prehook(lambda grad_outputs: work())  # type: ignore[union-attr]
     # `inputs=` puts every weight-side node into the task's execution info
     # (the anchor makes the helper node itself needed); input-side nodes
     # are not in it, so the direct calls skip the outputs that go there.
     wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
     # The anchor's accumulator, the helper's one next edge, makes the helper needed.
-    run_backward(
-        [scope], [torch.ones(())], [GradientEdge(*scope.grad_fn.next_functions[0]), *wanted]
-    )  # type: ignore[union-attr]
+    run_backward([scope], [anchor.one], [GradientEdge(*helper.next_functions[0]), *wanted])  # type: ignore[union-attr]
     if failure:
         raise failure[0]
 
@@ -310,6 +312,7 @@ def leaf_grads(
             weight_nodes,
             leaves,
             None,
+            _Anchor(),
         )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
@@ -436,8 +439,7 @@ def deliver_as_ready(
             edges_of.setdefault(component[node], []).append((node, nr))
 
     deferred: list[Node] = []
-    anchor = torch.zeros((), requires_grad=True)
-    one = torch.ones(())
+    anchor = _Anchor()
 
     def deliver(ready: Sequence[Node]) -> None:
         roots: list[torch.Tensor | GradientEdge] = []
@@ -471,9 +473,9 @@ def deliver_as_ready(
             # `.grad` (a copy, and a second gradient's worth of memory).
             with torch.enable_grad():
                 roots.append(
-                    _Deliver.apply(anchor, to_leaves, (), *(leaf_of[n] for n in leaves_now))
+                    _Deliver.apply(anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now))
                 )
-            grads.append(one)
+            grads.append(anchor.one)
         del to_leaves
         # The graph is retained: a weight-only part may be shared with a later
         # backward (e.g. a weight transform computed once per step).
@@ -515,10 +517,10 @@ def deliver_as_ready(
         if first:
             deliver_or_defer(first)
         if recorded:
-            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
+            _call_intermediates(recorded, add, weight_nodes, leaves, after_call, anchor)
         if deferred:
             deliver(deferred)
     if held:
         with torch.enable_grad():
-            root = _Deliver.apply(anchor, [], held)
-        run_backward([root], [one])
+            root = _Deliver.apply(anchor.leaf, [], held)
+        run_backward([root], [anchor.one])
