@@ -9,7 +9,7 @@ pinned here too). A real GPU runs the same bodies in the ``cuda`` mode.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +17,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gradsafe.cuda_graphs import make_graphed_callables
-from gradsafe.testing import emulate_cuda_graphs
 
 F64 = torch.float64
 STALE_CALL = "was called again since"
@@ -32,15 +31,9 @@ class Env:
         return torch.randn(*shape, device=self.device, dtype=F64, **kw)
 
 
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
-def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    torch.manual_seed(0)
-    if request.param == "cuda":
-        yield Env(torch.device("cuda"))
-        torch.cuda.synchronize()
-    else:
-        with emulate_cuda_graphs():
-            yield Env(torch.device("cpu"))
+@pytest.fixture
+def env(graph_device: torch.device) -> Env:
+    return Env(graph_device)
 
 
 class Model(torch.nn.Module):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from _delayed_matmul import DelayedMatmul
 
 import gradsafe
 from gradsafe.cuda_graphs import UnsupportedTorchError, make_graphed_callables
@@ -42,15 +43,9 @@ class Env:
         return torch.randn(*shape, device=self.device, **kw)
 
 
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
-def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    torch.manual_seed(0)
-    if request.param == "cuda":
-        yield Env(torch.device("cuda"))
-        torch.cuda.synchronize()
-    else:
-        with emulate_cuda_graphs():
-            yield Env(torch.device("cpu"))
+@pytest.fixture
+def env(graph_device: torch.device) -> Env:
+    return Env(graph_device)
 
 
 def upstream_mgc(*args: Any, **kwargs: Any) -> Any:
@@ -373,31 +368,6 @@ def test_allow_unused_input(env: Env, mgc: Callable[..., Any]) -> None:
 # --- delayed wgrad --------------------------------------------------------------------------
 
 
-class _DelayedMatmul(torch.autograd.Function):
-    """``h @ w`` whose weight gradient is delayed to W: added into ``main_grad`` (fused) or ``.grad``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, store: WeightGradStore, fused: bool
-    ) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        ctx.store, ctx.fused = store, fused
-        return h @ w
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        h, w = ctx.saved_tensors
-
-        def compute(main_grad: torch.Tensor | None) -> torch.Tensor | None:
-            if main_grad is None:
-                return h.t() @ g
-            main_grad.add_(h.t() @ g)
-            return None
-
-        ctx.store.record(w, compute, accumulate_into_main_grad=ctx.fused, reads=(h, g))
-        return g @ w.t(), None, None, None
-
-
 def _tied_delayed_grad(
     env: Env, graph: Callable[..., Any] | None, microbatches: int, w_lag: int, fused: bool = False
 ) -> torch.Tensor:
@@ -417,7 +387,7 @@ def _tied_delayed_grad(
     pending = []
     for x in xs:
         h = torch.tanh(run(x))
-        _DelayedMatmul.apply(h, embed.weight, store, fused).pow(2).sum().backward()
+        DelayedMatmul.apply(h, embed.weight, store, fused).pow(2).sum().backward()
         pending.append(store.seal())
         if len(pending) > w_lag:
             pending.pop(0).run()
@@ -473,7 +443,7 @@ def _delayed_head_grad(env: Env, graphed: bool, *, clone: bool) -> torch.Tensor:
     pending = []
     for x in xs:
         h = run(x).clone() if clone else run(x)
-        _DelayedMatmul.apply(h, head, store, False).pow(2).sum().backward()
+        DelayedMatmul.apply(h, head, store, False).pow(2).sum().backward()
         pending.append(store.seal())
         if len(pending) > 1:
             try:
@@ -503,7 +473,7 @@ class _DelayedHead(torch.nn.Module):
         self.store = store
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _DelayedMatmul.apply(h, self.weight, self.store, False)
+        return DelayedMatmul.apply(h, self.weight, self.store, False)
 
 
 @pytest.mark.parametrize("mgc", [*SAFE, pytest.param(upstream_mgc, id="upstream")])
@@ -539,7 +509,7 @@ def test_a_whole_step_graph_records_seals_and_runs_w_inside_one_capture(env: Env
     h = env.randn(3, 4, dtype=torch.float64)
 
     def step() -> None:
-        _DelayedMatmul.apply(h, w, store, True).pow(2).sum().backward()
+        DelayedMatmul.apply(h, w, store, True).pow(2).sum().backward()
         store.seal().run()
 
     side = torch.cuda.Stream()
@@ -567,7 +537,7 @@ def test_a_w_pass_sealed_in_a_capture_and_run_after_it_is_refused(env: Env) -> N
     h = env.randn(3, 4, dtype=torch.float64)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _DelayedMatmul.apply(h, w, store, False).pow(2).sum().backward()
+        DelayedMatmul.apply(h, w, store, False).pow(2).sum().backward()
         pending = store.seal()
     with pytest.raises(RuntimeError, match="recorded while a CUDA graph was captured"):
         pending.run()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from _delayed_matmul import DelayedMatmul
 
 import gradsafe
 from gradsafe.cuda_graphs import UnsupportedTransformerEngineError, _te
@@ -63,31 +64,6 @@ def te_graph(fake_te: Callable[[str], Any]) -> Any:
     return fake_te(_DOUBLE.read_text())
 
 
-class _DelayedMatmul(torch.autograd.Function):
-    """``h @ w`` whose weight gradient is delayed to W: added into ``main_grad`` (fused) or ``.grad``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, store: WeightGradStore, fused: bool
-    ) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        ctx.store, ctx.fused = store, fused
-        return h @ w
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        h, w = ctx.saved_tensors
-
-        def compute(main_grad: torch.Tensor | None) -> torch.Tensor | None:
-            if main_grad is None:
-                return h.t() @ g
-            main_grad.add_(h.t() @ g)
-            return None
-
-        ctx.store.record(w, compute, accumulate_into_main_grad=ctx.fused)
-        return g @ w.t(), None, None, None
-
-
 def _tied_grad(
     graph: Callable[..., Any] | None,
     microbatches: int,
@@ -117,7 +93,7 @@ def _tied_grad(
         mark_delayed_wgrad(embed.weight)
     elif mark == "record":  # one eager step, its gradients then cleared
         h0 = torch.randn(3, 4, dtype=torch.float64)
-        _DelayedMatmul.apply(h0, embed.weight, store, fused).sum().backward()
+        DelayedMatmul.apply(h0, embed.weight, store, fused).sum().backward()
         store.seal().run()
         embed.weight.grad = None
         if fused:
@@ -135,7 +111,7 @@ def _tied_grad(
     pending = []
     for x in xs:
         h = torch.tanh(run(x))
-        _DelayedMatmul.apply(h, embed.weight, store, fused).pow(2).sum().backward()
+        DelayedMatmul.apply(h, embed.weight, store, fused).pow(2).sum().backward()
         pending.append(store.seal())
         if len(pending) > w_lag:
             pending.pop(0).run()

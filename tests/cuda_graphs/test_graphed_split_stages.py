@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +28,6 @@ from gradsafe.cuda_graphs.split_stages import (
     make_graphed_split_callables,
 )
 from gradsafe.pipelining import stage_backward, stage_backward_input, stage_backward_weight
-from gradsafe.testing import emulate_cuda_graphs
 from gradsafe.wgrad import WeightGradStore
 
 D = torch.float64
@@ -43,15 +41,9 @@ class Env:
     device: torch.device
 
 
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
-def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    torch.manual_seed(0)
-    if request.param == "cuda":
-        yield Env(torch.device("cuda"))
-        torch.cuda.synchronize()
-    else:
-        with emulate_cuda_graphs():
-            yield Env(torch.device("cpu"))
+@pytest.fixture
+def env(graph_device: torch.device) -> Env:
+    return Env(graph_device)
 
 
 class Nested(torch.nn.Module):
