@@ -1,6 +1,6 @@
 """Memory a split backward holds: gradsafe vs torch's split vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_memory.py
+Run: PYTHONPATH=. python benchmarks/pipelining_memory.py [--device cuda]
          (every configuration below, .grad None and held, 2 microbatches)
      PYTHONPATH=. python benchmarks/pipelining_memory.py --layers 8 --dim 4096 --batch 64 [--microbatches 2]
      PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
@@ -28,11 +28,18 @@ cross-entropy), without and with every other MLP activation-checkpointed
 ``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
 right after any B, right after the last W, after ``step()`` (losses kept), and
 peak. "fused" runs each microbatch's whole backward in B and nothing in W.
+
+``--device cuda`` runs part 1 on the GPU and reads CUDA's caching allocator
+instead (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` beyond
+what was allocated before the forward, so the peaks include transients inside
+an operator): a dispatch mode misses the CUDA backward, which the autograd
+engine runs on its device thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import os
 import platform
@@ -47,6 +54,41 @@ from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 from gradsafe.testing import LiveStorage
 
 MiB = 1 << 20
+DEVICE = torch.device("cpu")  # --device
+
+
+class CudaAllocated:
+    """:class:`LiveStorage`'s readings from CUDA's caching allocator: bytes allocated since entry."""
+
+    def __enter__(self) -> CudaAllocated:
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self._peak = 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def live(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - self.base
+
+    @property
+    def peak_since_mark(self) -> int:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - self.base
+        self._peak = max(self._peak, peak)
+        return peak
+
+    @property
+    def peak(self) -> int:
+        return max(self._peak, self.peak_since_mark)
+
+    def mark(self) -> int:
+        self._peak = max(self._peak, self.peak_since_mark)
+        torch.cuda.reset_peak_memory_stats()
+        return self.live()
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,7 +107,8 @@ def run(
         p.grad = torch.randn_like(p) if held else None
     existing = [*params, *xs, *ys, *(p.grad for p in params if p.grad is not None)]
     points: dict[str, float] = {}
-    with LiveStorage(existing) as mode:
+    meter = CudaAllocated() if DEVICE.type == "cuda" else LiveStorage(existing)
+    with meter as mode:
         losses, outs, handoffs = [], [], []
         for x, y in zip(xs, ys):
             out = model(x)
@@ -232,8 +275,9 @@ def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def linear_stage(layers: int, dim: int, batch: int, microbatches: int, held: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.Tanh())))
-    xs = [torch.randn(batch, dim, requires_grad=True) for _ in range(microbatches)]
-    ys = [torch.randn(batch, dim) for _ in range(microbatches)]
+    model.to(DEVICE)
+    xs = [torch.randn(batch, dim, device=DEVICE, requires_grad=True) for _ in range(microbatches)]
+    ys = [torch.randn(batch, dim, device=DEVICE) for _ in range(microbatches)]
     title = f"{layers} x (Linear({dim}) + tanh), microbatch {batch}"
     single_stage(title, model, xs, ys, _mse_loss, microbatches, held)
 
@@ -243,9 +287,11 @@ def transformer_stage(checkpointed: bool, seq: int, microbatches: int, held: boo
 
     dim, blocks, batch = 128, 6, 2  # the last stage of verify_transformer:twelve_blocks
     torch.manual_seed(0)
-    model = TransformerStage(dim, blocks, checkpointed)
-    xs = [torch.randn(batch, seq, dim, requires_grad=True) for _ in range(microbatches)]
-    ys = [torch.randint(0, VOCAB, (batch, seq)) for _ in range(microbatches)]
+    model = TransformerStage(dim, blocks, checkpointed).to(DEVICE)
+    xs = [
+        torch.randn(batch, seq, dim, device=DEVICE, requires_grad=True) for _ in range(microbatches)
+    ]
+    ys = [torch.randint(0, VOCAB, (batch, seq), device=DEVICE) for _ in range(microbatches)]
     title = (
         f"transformer last stage: {blocks} blocks d={dim}, head tied to the embedding, "
         f"{'every other MLP checkpointed, ' if checkpointed else ''}microbatch {batch}x{seq} tokens"
@@ -293,14 +339,25 @@ def main() -> None:
     parser.add_argument("--dim", type=int, help="one configuration (default: both below)")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument(
+        "--device", default="cpu", help="cuda: part 1 on the GPU, read from CUDA's allocator"
+    )
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.zbv:
+        if DEVICE.type != "cpu":
+            parser.error("--zbv runs on CPU (2 gloo ranks) only")
         args.dim, args.batch = args.dim or 2048, args.batch or 512
         zbv(args)
         return
+    if DEVICE.type == "cuda":
+        where = f"{torch.cuda.get_device_name()}; MiB allocated by CUDA's caching allocator"
+    else:
+        where = f"{os.cpu_count()} CPUs; MiB of live storages"
     print(
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; MiB of live "
-        "storages created from the forward on"
+        f"torch {torch.__version__}, {platform.machine()}, {where}, fp32, created from the "
+        f"forward on, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     configs = (
         [(args.dim or 2048, args.batch or 512)]

@@ -1,6 +1,6 @@
 """Split backward (B/W) cost: gradsafe vs torch's own vs one fused backward, side by side.
 
-Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N] [--sweep]
+Run: PYTHONPATH=. python benchmarks/pipelining_split.py [--quick] [--section N] [--sweep] [--device cuda]
 Prints the torch version, machine and date, then times (ms) and ratios measured
 in this one process, interleaving the implementations in every repetition, on
 one intra-op thread. Each figure is thread CPU time (what this thread spent,
@@ -18,6 +18,12 @@ system), and a fixed order charged them to the same implementation every time
 Sections 1-3 run by default; ``--sweep`` adds 4 (B+W over stage sizes, d = 64
 to 4096, depth 12 to 192) and 5 (per-node cost on 1.5 k to 50 k nodes), which
 take several minutes.
+
+``--device cuda`` runs the models on the GPU at sizes that occupy it (section 2:
+d = 1024, 4096 tokens; the small rows unchanged) and puts the GPU time of each
+B, W and fused backward, from CUDA events recorded around it, where wall time
+stood, and the process's CPU time for the thread's (autograd runs CUDA nodes on
+a device thread of its own).
 """
 
 from __future__ import annotations
@@ -99,9 +105,28 @@ def transformer(layers: int, d: int) -> tuple[nn.Module, Forward]:
 _RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
+def _cpu() -> float:
+    """Thread CPU time; on CUDA the process's, since autograd runs CUDA nodes on its device thread."""
+    return time.process_time() if DEVICE.type == "cuda" else time.thread_time()
+
+
 def _time(fn: Callable[[], Any]) -> tuple[float, float, int]:
-    """(wall, thread CPU) seconds and minor page faults of one call."""
+    """(wall, thread CPU) seconds and minor page faults of one call; on CUDA, GPU time for wall."""
     faults = resource.getrusage(_RUSAGE).ru_minflt
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cpu = _cpu()
+        start.record()
+        fn()
+        end.record()
+        cpu = _cpu() - cpu
+        end.synchronize()
+        gpu = start.elapsed_time(end) / 1e3
+        return gpu, cpu, resource.getrusage(_RUSAGE).ru_minflt - faults
     wall, cpu = time.perf_counter(), time.thread_time()
     fn()
     return (
@@ -148,6 +173,7 @@ def measure(
     skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Per implementation: B, W and B+W in CPU ms (min), B+W CPU median, B+W wall min, noise."""
+    model.to(DEVICE)
     samples: dict[str, list[tuple[tuple[float, float, int], ...]]] = {k: [] for k in IMPLS}
     crashed: dict[str, str] = {}
     names = [name for name in IMPLS if name not in skip]
@@ -158,7 +184,7 @@ def measure(
             if name in crashed:
                 continue
             model.zero_grad(set_to_none=True)
-            x = torch.randn(*x_shape, requires_grad=True)
+            x = torch.randn(*x_shape, device=DEVICE, requires_grad=True)
             try:
                 timing = impl.run(model, fwd, x)
             except RuntimeError as exc:
@@ -201,17 +227,24 @@ def main() -> None:
         action="store_true",
         help="no rotation: shows the page faults a fixed order charges to one implementation",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="cuda: on the GPU, GPU time from CUDA events for wall"
+    )
     args = parser.parse_args()
-    global FIXED_ORDER
+    global FIXED_ORDER, DEVICE
     FIXED_ORDER = args.fixed_order
+    DEVICE = torch.device(args.device)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     reps = 5 if args.quick else 15
     d, tokens = (128, 256) if args.quick else (256, 1024)
+    if DEVICE.type == "cuda":
+        d, tokens = (512, 2048) if args.quick else (1024, 4096)
+    gpu = f", {torch.cuda.get_device_name()} (wall = GPU time)" if DEVICE.type == "cuda" else ""
     print(
         f"torch {torch.__version__}, {platform.machine()} {platform.processor() or ''}".strip()
-        + f", {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, fp32, min of {reps}"
-        + f", {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        + f", {os.cpu_count()} CPUs{gpu}, torch threads {torch.get_num_threads()}, fp32,"
+        + f" min of {reps}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
 
     sections = set(args.section or ((1, 2, 3, 4, 5, 6) if args.sweep else (1, 2, 3, 6)))
@@ -383,11 +416,11 @@ class _Timed:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.only(*args):
                 return self.inner(*args, **kwargs)
-            start = time.thread_time()
+            start = _cpu()
             try:
                 return self.inner(*args, **kwargs)
             finally:
-                self.total += time.thread_time() - start
+                self.total += _cpu() - start
 
         setattr(self.owner, self.name, timed)
         return self
@@ -412,12 +445,14 @@ def section_own(reps: int) -> None:
         "small: 1 Linear(256), 64 tokens": (linear_stack(1, 256, False, True), (64, 256)),
     }
     for label, ((model, fwd), shape) in models.items():
+        model.to(DEVICE)
         rows: list[tuple[float, ...]] = []
         for rep in range(reps + 3):
             model.zero_grad(set_to_none=True)
-            fused = IMPLS["fused"].run(model, fwd, torch.randn(*shape, requires_grad=True))[0][1]
+            x = torch.randn(*shape, device=DEVICE, requires_grad=True)
+            fused = IMPLS["fused"].run(model, fwd, x)[0][1]
             model.zero_grad(set_to_none=True)
-            x = torch.randn(*shape, requires_grad=True)
+            x = torch.randn(*shape, device=DEVICE, requires_grad=True)
             # What gradsafe runs that a split must: B's engine call, each node W calls
             # for its weight part, the reductions of broadcast gradients the engine
             # would make, and the engine calls that deliver (those without `wanted`;

@@ -75,7 +75,7 @@ def _tokens(count: int, batch: int = 2, seq: int = 16) -> list[tuple[torch.Tenso
 
 
 def _cross_entropy(logits: torch.Tensor, microbatch: int) -> torch.Tensor:
-    targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(VOCAB)
+    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).remainder(VOCAB)
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets)
 
 
