@@ -55,6 +55,11 @@ def _misuse(device: torch.device, mgc: Callable[..., Any] | None, case: str) -> 
                 pending.pop(0).run()
         pending.pop().run()
         return [p.grad for p in params]  # type: ignore[misc]
+    if case == "F0 B0 B0 (retain_graph)":
+        loss = (run(xs[0]) @ head).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad for p in params]  # type: ignore[misc]
     clone = case == "F0 F1 B0 B1, head reads a clone"
     losses = [((run(x).clone() if clone else run(x)) @ head).pow(2).sum() for x in xs]
     for loss in losses:
@@ -80,6 +85,7 @@ CASES = (
     "F0 F1 B0 B1, head saves the output",
     "F0 F1 B0 B1, head reads a clone",
     "delayed W one behind",
+    "F0 B0 B0 (retain_graph)",
 )
 
 

@@ -1,6 +1,7 @@
 import importlib
 import pkgutil
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_generator_after_a_failed_capture(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a `cuda` test, one empty capture: torch 2.11 leaves the CUDA generator marked as
+    capturing when a capture fails, and every later random op then raises "Offset increment
+    outside graph capture encountered unexpectedly" (seen on an H200); a successful capture
+    clears the mark, so one test's expected refusal does not fail the tests after it."""
+    yield
+    if "cuda" in request.keywords and torch.cuda.is_available():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
 
 
 @pytest.fixture

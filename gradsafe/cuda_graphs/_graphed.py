@@ -17,6 +17,7 @@ from typing import Union, cast, overload
 import torch
 from typing_extensions import TypeAlias
 
+from gradsafe.cuda_graphs._collector import no_collection_during_capture
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs._structure import find_graphed_site, graphed_inputs
 from gradsafe.patching import REGISTRY
@@ -141,12 +142,19 @@ def make_graphed_callables(
             "was set to gradsafe's function outside gradsafe.patch(); restore torch's function "
             "and use gradsafe.patch('cuda_graphs') instead."
         )
-    graphed = cast(
-        "ModuleOrCallable | tuple[ModuleOrCallable, ...]",
-        upstream(
-            callables, sample_args, num_warmup_iters, allow_unused_input, pool, *newer, **options
-        ),
-    )
+    with no_collection_during_capture():
+        graphed = cast(
+            "ModuleOrCallable | tuple[ModuleOrCallable, ...]",
+            upstream(
+                callables,
+                sample_args,
+                num_warmup_iters,
+                allow_unused_input,
+                pool,
+                *newer,
+                **options,
+            ),
+        )
     if ownership == "never":
         return graphed
     returned = graphed if isinstance(graphed, tuple) else (graphed,)

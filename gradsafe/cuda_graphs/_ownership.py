@@ -128,9 +128,10 @@ class Replays:
     """How many times one graphed callable's forward graph was replayed: its static buffers hold the last.
 
     Each call is numbered (its generation). A backward may replay the backward
-    graph only for the last call: the static activations it reads are that
-    call's, and its outputs must not have been modified in place since (the
-    backward graph may read them, as an eager backward reads a saved output).
+    graph only for the last call, and only once: the static activations it
+    reads are that call's, its outputs must not have been modified in place
+    since (the backward graph may read them, as an eager backward reads a
+    saved output), and a backward replay may overwrite them (measured on a GPU).
     """
 
     def __init__(self) -> None:
@@ -139,6 +140,8 @@ class Replays:
         # cycle through the graph) and their versions right after the call.
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._versions: tuple[int, ...] = ()
+        # The call whose backward graph was last replayed.
+        self._backward_of = 0
 
     def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
         """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
@@ -165,6 +168,16 @@ class Replays:
             (token,) = ctx.saved_tensors
             if int(token) != self.latest:
                 raise self._called_again(ctx)
+        if self._backward_of == self.latest:
+            raise RuntimeError(
+                "gradsafe.cuda_graphs: a second backward through one call of a graphed callable "
+                "(retain_graph=True, or autograd.grad and then backward over the same call). The "
+                "backward graph was captured as a single backward: the memory it frees as it goes "
+                "is reused within the graph, so its first replay may overwrite the activations a "
+                "second replay would read, and that replay would compute wrong gradients "
+                "silently. Call the graphed callable again (or recompute the call in its "
+                "backward with torch.utils.checkpoint around it) for each backward through it."
+            )
         if any(version_of(o) != v for o, v in zip(self._outputs, self._versions)):
             raise RuntimeError(
                 "gradsafe.cuda_graphs: an output of this graphed callable was modified in place "
@@ -176,6 +189,7 @@ class Replays:
                 "Gradients already accumulated by this backward are incomplete: zero them "
                 "before redoing the step."
             )
+        self._backward_of = self.latest
 
     def _called_again(self, ctx: Any) -> RuntimeError:
         return RuntimeError(

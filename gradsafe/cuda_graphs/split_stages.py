@@ -42,6 +42,7 @@ from gradsafe.cuda_graphs._autograd import (
     is_accumulate_grad,
     leaf_fate,
 )
+from gradsafe.cuda_graphs._collector import no_collection_during_capture
 from gradsafe.cuda_graphs._structure import (
     arg_tree_leaves,
     has_module_hooks,
@@ -463,11 +464,12 @@ def make_graphed_split_callables(
         )
         for c in order.chunks
     ]
-    _warm_up(modules, params, slots, order, num_warmup_iters)
-    if pool is None:
-        pool = torch.cuda.graph_pool_handle()
     training = [m.training for m in modules]
-    _capture(modules, params, slots, order, pool)
+    with no_collection_during_capture():
+        _warm_up(modules, params, slots, order, num_warmup_iters)
+        if pool is None:
+            pool = torch.cuda.graph_pool_handle()
+        _capture(modules, params, slots, order, pool)
 
     stages = GraphedSplitStages(order, modules, params, slots, anchors)
     for c, module in enumerate(modules):

@@ -162,7 +162,9 @@ class Verdict:
     holds decides. ``cuda_algorithm`` is run instead of the op during an
     emulated capture where the CPU kernel would read the host and the CUDA
     kernel does not. ``emulated`` differs from ``cuda`` only where the
-    emulator cannot see what decides it; ``assumption`` says why.
+    emulator cannot see what decides it; ``assumption`` says why. ``torch_error``: a
+    refused operation that torch's own check stops before CUDA sees it, with
+    this ``RuntimeError`` message; the capture stays valid.
     """
 
     case: str
@@ -175,10 +177,18 @@ class Verdict:
     cuda_algorithm: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
     emulated: Capture | None = None
     assumption: str = ""
+    torch_error: str | None = None
 
     @property
     def emulated_capture(self) -> Capture:
         return self.cuda if self.emulated is None else self.emulated
+
+
+_PINNED: Final = (
+    "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
+    "is pinned"
+)
+_PINNED_SOURCE: Final = "; torch's capture check refuses it first (seen on an H200, torch 2.11)"
 
 
 _A = torch.ops.aten
@@ -244,8 +254,10 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         _A.histc,
         _R,
         "reads the data's min and max on the host",
-        "aten/src/ATen/native/cuda/SummaryOps.cu: _histc_cuda_template (min == max: self.min()/max() to host)",
+        "aten/src/ATen/native/cuda/SummaryOps.cu: _histc_cuda_template (min == max: self.min()/max() to host)"
+        + _PINNED_SOURCE,
         applies=_histc_reads_range,
+        torch_error=_PINNED,
     ),
     Verdict(
         "torch.histc(x, min=a, max=b), a < b",
@@ -346,7 +358,9 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         _A.bincount,
         _R,
         "the output size is the largest value plus one",
-        "aten/src/ATen/native/cuda/SummaryOps.cu: _bincount_cuda_template (self.max() to host)",
+        "aten/src/ATen/native/cuda/SummaryOps.cu: _bincount_cuda_template (self.max() to host)"
+        + _PINNED_SOURCE,
+        torch_error=_PINNED,
     ),
     Verdict(
         "torch.repeat_interleave(repeats_tensor) without output_size",
@@ -490,7 +504,8 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         torch.Tensor.tolist,
         _R,
         "copies device memory to the host",
-        "torch/csrc/utils/tensor_list.cpp: tensor_to_list (to CPU)",
+        "torch/csrc/utils/tensor_list.cpp: tensor_to_list (to CPU)" + _PINNED_SOURCE,
+        torch_error=_PINNED,
     ),
     Verdict(
         "t.numpy()",
@@ -504,7 +519,9 @@ VERDICTS: Final[tuple[Verdict, ...]] = (
         torch.Tensor.cpu,
         _R,
         "copies device memory to pageable host memory and waits",
-        "aten/src/ATen/native/cuda/Copy.cu: copy_kernel_cuda (device to pageable host: synchronous)",
+        "aten/src/ATen/native/cuda/Copy.cu: copy_kernel_cuda (device to pageable host: synchronous)"
+        + _PINNED_SOURCE,
+        torch_error=_PINNED,
     ),
     Verdict(
         "print(t) / repr(t)",

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import (
 
 from gradsafe.testing._capture_verdicts import (
     Capture,
+    Verdict,
     host_read_refused,
     torch_function_verdict,
 )
@@ -83,10 +84,12 @@ _HOST_READ_FIX: Final = (
 )
 
 
-def _refusal_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why a CUDA capture would refuse this aten call (its row in the verdict table), or None."""
-    row = host_read_refused(func, args, kwargs)
-    return None if row is None else f"{func}: {row.case} {row.why}"
+def _refused(row: Verdict, what: str, refusal: CaptureRefusal) -> RuntimeError:
+    """The error a GPU raises for a refused row: torch's own check's (the capture stays
+    valid), else CUDA's (the capture is invalid from then on)."""
+    if row.torch_error is not None:
+        return RuntimeError(f"{row.torch_error} (emulated capture: {what}. {_HOST_READ_FIX})")
+    return refusal.refuse(what, _HOST_READ_FIX)
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -289,9 +292,9 @@ class RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        reason = _refusal_reason(func, args, kwargs)
-        if reason is not None:
-            raise self.recording.refusal.refuse(reason, _HOST_READ_FIX)
+        row = host_read_refused(func, args, kwargs)
+        if row is not None:
+            raise _refused(row, f"{func}: {row.case} {row.why}", self.recording.refusal)
         if not self.in_capture():
             return func(*args, **kwargs)
         for t in _written_tensors(func, args, kwargs):
@@ -318,7 +321,7 @@ class HostReadRefusalMode(TorchFunctionMode):
         kwargs = kwargs or {}
         row = torch_function_verdict(func, args, kwargs)
         if row is not None and row.emulated_capture is Capture.REFUSED:
-            raise self.refusal.refuse(f"{row.case} {row.why}", _HOST_READ_FIX)
+            raise _refused(row, f"{row.case} {row.why}", self.refusal)
         if row is not None and row.cuda_algorithm is not None:
             return row.cuda_algorithm(args, kwargs)
         return func(*args, **kwargs)

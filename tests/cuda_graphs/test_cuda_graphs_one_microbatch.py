@@ -145,19 +145,24 @@ def test_a_call_under_no_grad_between_forward_and_backward_raises(env: Env) -> N
         loss.backward()
 
 
-def test_a_second_backward_through_one_call_is_exact(env: Env) -> None:
-    # retain_graph, and no call in between: the buffers still hold the call.
+def test_a_second_backward_through_one_call_is_refused(env: Env) -> None:
+    # retain_graph, no call in between. On a GPU (H200, torch 2.11) the second
+    # replay of the backward graph read activations its first replay had
+    # overwritten: 0.024 max abs error, every element wrong.
     torch.manual_seed(1)
     model = Model(env)
-    body = _graphed(env, model)
     x = env.randn(2, 4, requires_grad=True)
+    ref = x.detach().requires_grad_()
+    (model.body(ref) @ model.head).pow(2).sum().backward()  # eager: graphing replaces forward
+    body = _graphed(env, model)
     loss = (body(x) @ model.head).pow(2).sum()
     first = torch.autograd.grad(loss, x, retain_graph=True)[0]
-    second = torch.autograd.grad(loss, x)[0]
-    ref = x.detach().requires_grad_()
-    (model.body(ref) @ model.head).pow(2).sum().backward()
     torch.testing.assert_close(first, ref.grad)
-    torch.testing.assert_close(second, ref.grad)
+    with pytest.raises(RuntimeError, match="a second backward through one call"):
+        torch.autograd.grad(loss, x)
+    # A new call may be differentiated again.
+    loss = (body(x) @ model.head).pow(2).sum()
+    torch.testing.assert_close(torch.autograd.grad(loss, x)[0], ref.grad)
 
 
 def _checkpointed_body(use_reentrant: bool) -> Any:
