@@ -386,7 +386,7 @@ class Config:
         Not in the one row that returns None without delay (fused, no flag):
         without ``grad_added_to_main_grad`` nothing could tell a hook that a
         dummy must not be added, so nothing is returned, and the hook runs with
-        ``.grad`` None (on a GPU: on autograd's CPU thread). Megatron always sets
+        ``.grad`` None. Megatron always sets
         the flag on its parameters, so its hooks never meet this row.
         """
         return self.delayed or not self.fused or self.has_flag

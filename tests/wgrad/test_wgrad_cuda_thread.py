@@ -1,4 +1,9 @@
-"""On a GPU, a None weight slot moves the AccumulateGrad hook to autograd's CPU thread."""
+"""On a GPU, which thread runs the AccumulateGrad hook, and what ``.grad`` it sees, dummy vs None.
+
+Measured on an H200 with torch 2.11: with either return the hook runs on the
+thread that ran the policy (autograd's device thread, not the caller's); a
+None return leaves ``.grad`` None at the hook.
+"""
 
 from __future__ import annotations
 
@@ -42,10 +47,10 @@ def _hook_and_backward_threads(return_none: bool) -> tuple[int, int, bool]:
 @pytest.mark.cuda
 def test_dummy_keeps_the_hook_on_the_device_thread() -> None:
     hook, backward, grad_none = _hook_and_backward_threads(return_none=False)
-    assert hook == backward and not grad_none
+    assert hook == backward != threading.get_ident() and not grad_none
 
 
 @pytest.mark.cuda
-def test_hazard_none_runs_the_hook_on_the_cpu_thread() -> None:
+def test_hazard_none_leaves_the_hook_without_grad_on_the_device_thread() -> None:
     hook, backward, grad_none = _hook_and_backward_threads(return_none=True)
-    assert hook == threading.get_ident() != backward and grad_none
+    assert hook == backward != threading.get_ident() and grad_none

@@ -55,8 +55,7 @@ def test_live_view_of_main_grad_double_accumulates(ref) -> None:  # type: ignore
 
 
 def test_none_despite_the_flag_leaves_the_hook_without_grad(ref) -> None:  # type: ignore[no-untyped-def]
-    # Megatron asserts here ("param.grad being None is not safe"); on a GPU the hook
-    # would also run on autograd's CPU thread instead of the device thread.
+    # Megatron asserts here ("param.grad being None is not safe").
     problems = check_config(NOW_FUSED_FLAG, ref=ref, kernel=kernel_with(_return_none_when_fused))
     assert "w1: hook saw .grad None" in problems
 
