@@ -468,5 +468,11 @@ def emulate_cuda_graphs() -> Iterator[None]:
     """
     # The same registry as gradsafe.patch(), so get_original() and
     # is_object_patched() see the stand-ins; not one of patch()'s names.
+    if torch.cuda.Stream is not EmulatedStream:
+        # Outermost block: start on the default stream, as a fresh process does,
+        # whatever an earlier block left current (torch.cuda.graph leaves its
+        # capture stream current when capture_begin raises: torch/cuda/graphs.py
+        # enters the stream before capture_begin, and the emulation mirrors it).
+        _STATE.current = _STATE.default
     with REGISTRY.hold("cuda_graphs_emulation"):
         yield

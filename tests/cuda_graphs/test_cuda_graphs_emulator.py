@@ -149,3 +149,16 @@ def test_restore_on_exception() -> None:
         with emulate_cuda_graphs():
             raise KeyError("boom")
     assert _current() == before
+
+
+def test_each_emulation_starts_on_the_default_stream() -> None:
+    with emulate_cuda_graphs():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            pass
+        with pytest.raises(RuntimeError, match="already owns a captured graph"):
+            with torch.cuda.graph(g):  # capture_begin raises with the capture stream entered
+                pass
+        assert torch.cuda.current_stream() is not torch.cuda.default_stream()
+    with emulate_cuda_graphs():
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
