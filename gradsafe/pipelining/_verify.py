@@ -90,7 +90,10 @@ def verify(
         dtype: the dtype the copies run in (float64 separates a wrong
             gradient from rounding best).
         orders: names from :data:`ORDERS`.
-        time_backward: also measure each run's backward wall and thread CPU time.
+        time_backward: also measure each run's backward wall and CPU time: the
+            calling thread's, or on a CUDA model the process's (autograd runs
+            CUDA nodes on a device thread), with the device synchronised
+            around each backward.
         memory: also measure each run's peak live tensor memory (see
             :class:`~gradsafe.pipelining._verify_report.Memory`); with
             ``time_backward`` it is measured in extra runs, so that the
@@ -115,6 +118,13 @@ def verify(
     if not batches:
         raise ValueError("microbatches is empty: pass at least one microbatch.")
     say = progress or (lambda line: None)
+    if memory and any(p.is_cuda for m in modules for p in m.parameters()):
+        raise ValueError(
+            "verify(memory=True) counts tensor storage with a dispatch mode on the calling "
+            "thread, and autograd runs a CUDA backward on a device thread of its own, so the "
+            "count would leave out the backward's memory. Verify memory on a CPU copy of the "
+            "model, or read torch.cuda.max_memory_allocated around your own steps."
+        )
 
     # Counting memory costs a Python call per operator: never in a timed run.
     count_in_checked_runs = memory and not time_backward

@@ -56,7 +56,7 @@ class OrderResult:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Backward-phase wall and thread CPU seconds of one run."""
+    """Backward-phase wall and CPU seconds of one run (the process's CPU on a CUDA model)."""
 
     wall_s: float
     cpu_s: float
@@ -200,7 +200,10 @@ class VerifyReport:
             lines.append("  every count equals fused")
         if self.timing:
             fused = self.timing["fused"]["fused"]
-            lines += ["", "Backward time (thread CPU / wall, x fused):"]
+            lines += [
+                "",
+                "Backward time (CPU / wall, x fused; CPU: the calling thread's, on CUDA the process's):",
+            ]
             for impl, per in self.timing.items():
                 for order, t in per.items():
                     lines.append(

@@ -196,6 +196,11 @@ def _run(
     existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
     existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
     live = LiveStorage(existing) if memory else None
+    cuda = any(p.is_cuda for c in copies for p in c.parameters())
+    # Autograd runs CUDA nodes on a device thread: count the process's CPU time,
+    # and wait for the device so that wall time covers the kernels.
+    cpu_clock = time.process_time if cuda else time.thread_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
         with live if live is not None else contextlib.nullcontext():
             for step in events(order, n, len(microbatches)):
@@ -207,11 +212,13 @@ def _run(
                             result.hazards.setdefault(hazard, set()).update(params)
                     continue
                 counter.in_backward = True
-                started, started_cpu = time.perf_counter(), time.thread_time()
+                sync()
+                started, started_cpu = time.perf_counter(), cpu_clock()
                 out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
                 _backward(kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs)
+                cpu += cpu_clock() - started_cpu  # before the wait: it may spin
+                sync()
                 wall += time.perf_counter() - started
-                cpu += time.thread_time() - started_cpu
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
         result.error = exc

@@ -92,3 +92,12 @@ def test_verify_keeps_no_graph_alive_so_the_splits_compare_as_a_schedule_runs_th
     peaks = _peaks(module, batch=16, dim=32, count=4)
     for order, peak in peaks["gradsafe"].items():
         assert peak <= peaks["upstream"][order], (order, peaks)
+
+
+@pytest.mark.cuda
+def test_memory_of_a_cuda_model_is_refused_not_undercounted() -> None:
+    # The dispatch-mode count sees the calling thread; a CUDA backward runs on
+    # autograd's device thread.
+    module = nn.Linear(4, 4).cuda()
+    with pytest.raises(ValueError, match="device thread of its own"):
+        verify(module, [torch.randn(2, 4, device="cuda")], memory=True)
