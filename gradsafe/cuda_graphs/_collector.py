@@ -17,21 +17,14 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+from gradsafe.pipelining._gc import collector_paused
+
 __all__ = ["no_collection_during_capture"]
 
 
 @contextlib.contextmanager
 def no_collection_during_capture() -> Iterator[None]:
-    """Collect once now, then keep the cyclic collector off until the block ends.
-
-    The collector is process-wide: a block entered while it is off (nested, or
-    another thread's) leaves it to the outermost block to turn it back on.
-    """
+    """Collect once now, then keep the cyclic collector off until the block ends."""
     gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if enabled:
-            gc.enable()
