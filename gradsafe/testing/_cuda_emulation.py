@@ -240,6 +240,7 @@ class EmulatedCUDAGraph:
         self._modes: tuple[RecordingMode, HostReadRefusalMode] | None = None
         self._pool: tuple[int, int] | None = None
         self._captured = False
+        self._error_mode = "global"
         self.streams: _CaptureStreams | None = None
 
     def capture_begin(
@@ -273,6 +274,7 @@ class EmulatedCUDAGraph:
             RecordingMode(recording, self._in_capture),
             HostReadRefusalMode(recording.refusal),
         )
+        self._error_mode = capture_error_mode
         _STATE.capturing = self
         for mode in self._modes:
             mode.__enter__()
@@ -335,8 +337,25 @@ class EmulatedCUDAGraph:
         self._recording.replay()
 
     def reset(self) -> None:
+        self._destroyed_during_another_capture()
         self._recording = None
         self._captured = False
+
+    def _destroyed_during_another_capture(self) -> None:
+        # Destroying a captured graph is an API call CUDA refuses while a capture
+        # runs (unless relaxed), and the refusal invalidates that capture: "operation
+        # not permitted when stream is capturing (function reset)", seen on an H200.
+        # Not modelled for a graph the garbage collector frees: when it runs is not
+        # the test's to decide, and emulated suites would fail at random.
+        active = _STATE.capturing
+        if not self._captured or active is None or active is self:
+            return
+        if active._error_mode != "relaxed" and active._recording is not None:
+            active._recording.refusal.refuse(
+                "a captured CUDAGraph was reset during this capture",
+                "Free graphs before capturing (gc.collect() first) and keep the collector off "
+                "while capturing (gc.disable()).",
+            )
 
     def pool(self) -> object:
         if not self._captured or self._pool is None:

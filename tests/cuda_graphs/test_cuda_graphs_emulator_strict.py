@@ -387,3 +387,13 @@ def test_upstream_make_graphed_callables_refuses_a_host_read_in_the_callable() -
 
     with pytest.raises(CUDA_ERROR, match="previous error during capture"):
         torch.cuda.graphs.make_graphed_callables(reads_host, (torch.ones(2, requires_grad=True),))
+
+
+def test_a_graph_reset_during_another_capture_invalidates_it() -> None:
+    done = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(done):
+        torch.ones(1) + 1
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(CUDA_ERROR, match="previous error during capture.*was reset"):
+        with torch.cuda.graph(g):
+            done.reset()  # what freeing it does: destroys the executable graph
