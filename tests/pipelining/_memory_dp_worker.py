@@ -19,6 +19,7 @@ ranks get the same data, so the reduced gradients equal each rank's own.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -126,6 +127,9 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         # gradsafe's W writes into: torch's W fires no hooks) is counted from the start in both.
         model = _wrap(module, wrapper)
         outs: list[Any] = [_forward_as_stage(wrapper, model, x) for x in xs]
+        # Garbage the wrapping left (DDP's init) would otherwise die whenever the cyclic
+        # collector next runs, in either run's B (gradsafe pauses the collector in B and W).
+        gc.collect()
         live.mark()
         handoffs: list[Any] = [None] * MICROBATCHES
         input_grads = []  # torch's stage keeps them (bwd_cache) until they are sent
@@ -148,6 +152,9 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
             points[f"after {kind}{i}"] = live.mark()
         _end_step(wrapper, model)
         points["peak during the reduction"] = live.peak_since_mark
+        # FSDP2's reduction leaves a reference cycle holding a gradient-sized buffer, in both
+        # runs; when the collector frees it is chance. Read what is still referenced.
+        gc.collect()
         points["after the reduction"] = live.mark()
     return points, _grads(model)
 
