@@ -62,8 +62,9 @@ def merge_without_view_graphs(original: Callable[..., Any]) -> Callable[..., Any
         output = original(self, *args, **kwargs)
         kept = self.output_chunks
         # As torch detaches after B: a last stage that is not also the first
-        # (that one runs a full backward), its top-level outputs only.
-        if self.is_last and not self.is_first and kept and kept[-1] is output:
+        # (that one runs a full backward), its top-level outputs only, and only
+        # in a step with a backward (a forward-only step returns its graph).
+        if self.has_backward and self.is_last and not self.is_first and kept and kept[-1] is output:
             kept[-1] = _without_view_graphs(output)
         return output
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining import _hazards
+from gradsafe.pipelining import _hazards, _stage
 
 _MICROBATCHES = 4
 
@@ -38,7 +38,9 @@ class _ViewHead(nn.Module):
         return self.b(h).flatten(0, 1)
 
 
-def _step(schedule: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+def _step(
+    schedule: str, backward: bool = True
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
     """One step of two stages on this rank; gradients, the merged output, activations alive."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -57,7 +59,10 @@ def _step(schedule: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
     gc.collect()
     alive = sum(ref() is not None for ref in probes)
     grads = {
-        f"{i}.{n}": p.grad.clone() for i, m in enumerate(modules) for n, p in m.named_parameters()
+        f"{i}.{n}": p.grad.clone()
+        for i, m in enumerate(modules)
+        for n, p in m.named_parameters()
+        if p.grad is not None
     }
     return grads, out, alive
 
@@ -77,3 +82,38 @@ def test_view_output_graphs_die_with_their_w_not_at_the_next_step() -> None:
     torch.testing.assert_close(out, fused_out, rtol=0, atol=0)
     for name, grad in fused.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("has_backward", "is_first", "detached"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["last stage", "no backward (eval)", "first and last (full backward)"],
+)
+def test_only_a_split_last_stage_keeps_its_view_outputs_detached(
+    has_backward: bool, is_first: bool, detached: bool
+) -> None:
+    """Without a backward (``eval()``) the merged outputs keep their graph, and a stage that is
+    also the first runs a full backward that torch does not detach after: both as unpatched.
+    (torch's multi-stage runtime cannot run ``eval()`` on one rank, so a stand-in stage.)"""
+
+    class Stage:
+        is_last = True
+
+        def __init__(self) -> None:
+            self.has_backward, self.is_first = has_backward, is_first
+            self.output_chunks: list[object] = []
+
+        def forward_one_chunk(self, x: torch.Tensor) -> object:
+            out = (x * 2).flatten(), x * 3, 4  # a view, a non-view, not a tensor
+            self.output_chunks.append(out)
+            return out
+
+    forward = _stage.merge_without_view_graphs(Stage.forward_one_chunk)
+    stage = Stage()
+    x = torch.randn(2, 3, requires_grad=True)
+    returned = forward(stage, x)
+    kept = stage.output_chunks[-1]
+    assert returned[0].grad_fn is not None  # the schedule's loss is computed from this
+    assert (kept[0].grad_fn is None) is detached
+    assert kept[1] is returned[1] and kept[2] == 4
+    torch.testing.assert_close(kept[0], returned[0], rtol=0, atol=0)
