@@ -4,6 +4,7 @@ Run: PYTHONPATH=. python benchmarks/pipelining_memory.py [--device cuda]
          (every configuration below, .grad None and held, 2 microbatches)
      PYTHONPATH=. python benchmarks/pipelining_memory.py --layers 8 --dim 4096 --batch 64 [--microbatches 2]
      PYTHONPATH=. python benchmarks/pipelining_memory.py --zbv   (a real 2-rank ScheduleZBVZeroBubble step)
+     PYTHONPATH=. python benchmarks/pipelining_memory.py --dp    (FSDP2 and DDP stages on 2 ranks)
 
 1. One last pipeline stage (``layers`` x Linear(dim)+tanh, then an MSE loss),
 driven the way torch's stage drives it: B for each microbatch (the stage
@@ -28,6 +29,13 @@ cross-entropy), without and with every other MLP activation-checkpointed
 ``layers / 4`` x Linear+tanh), the same counting on each rank: the most held
 right after any B, right after the last W, after ``step()`` (losses kept), and
 peak. "fused" runs each microbatch's whole backward in B and nothing in W.
+
+3. ``--dp``: a middle stage wrapped over 2 gloo ranks with FSDP2 (sharded,
+``reshard_after_forward=False``) or DDP, 3 microbatches, B and W called as
+``stage.py`` calls them, then the stage's gradient reduction: every point, from
+``tests/pipelining/_memory_dp_worker.py`` (the run
+``tests/pipelining/test_pipelining_memory_dp.py`` asserts on), rank 0 (both
+ranks get the same data and hold the same).
 
 ``--device cuda`` runs part 1 on the GPU and reads CUDA's caching allocator
 instead (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` beyond
@@ -241,6 +249,45 @@ def zbv(args: Any) -> None:
             print(row)
 
 
+def dp() -> None:
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    worker = Path(__file__).resolve().parents[1] / "tests" / "pipelining" / "_memory_dp_worker.py"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(worker.parents[2]), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            subprocess.Popen([sys.executable, str(worker), str(r), port, out], env=env)
+            for r in range(2)
+        ]
+        for proc in procs:
+            proc.wait(timeout=600)
+        result = torch.load(Path(out) / "rank0.pt", weights_only=False)
+    if "crash" in result:
+        raise SystemExit(result["crash"])
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; a middle "
+        "stage over 2 gloo ranks, 3 microbatches, KiB on rank 0"
+    )
+    points = result["points"]
+    for case in (c[:3] for c in points if c[3] == "torch"):
+        theirs, ours = points[(*case, "torch")], points[(*case, "gradsafe")]
+        print(f"\n{' / '.join(case)}")
+        print(f"{'point':<28}{'torch':>10}{'gradsafe':>10}{'gradsafe/torch':>16}")
+        for name in theirs:
+            print(
+                f"{name:<28}{theirs[name] / 1024:10.1f}{ours[name] / 1024:10.1f}"
+                f"{ours[name] / theirs[name]:15.2f}x"
+            )
+
+
 class TransformerStage(nn.Module):
     """A last stage as in examples/verify_transformer.py: blocks (LayerNorm, attention, MLP),
     a final norm, and a head whose weight is the first stage's token embedding."""
@@ -335,6 +382,7 @@ def single_stage(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--zbv", action="store_true", help="a 2-rank ZBV step instead of one stage")
+    parser.add_argument("--dp", action="store_true", help="FSDP2 and DDP stages on 2 ranks")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, help="one configuration (default: both below)")
     parser.add_argument("--batch", type=int)
@@ -345,6 +393,11 @@ def main() -> None:
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
+    if args.dp:
+        if DEVICE.type != "cpu":
+            parser.error("--dp runs on CPU (2 gloo ranks) only")
+        dp()
+        return
     if args.zbv:
         if DEVICE.type != "cpu":
             parser.error("--zbv runs on CPU (2 gloo ranks) only")

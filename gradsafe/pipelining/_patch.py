@@ -15,6 +15,10 @@ Where ``PipelineStage`` infers output metadata with a forward of its module
 (torch 2.13+), that method is wrapped to run a DDP module's forward under
 ``no_sync``: see :func:`gradsafe.pipelining._stage.inference_without_ddp_prepare`.
 
+A last stage's view outputs are kept for ``step()``'s merge detached, so that
+they do not keep the microbatch's graph until the next step (gradsafe's W frees
+no saved tensor): see :func:`gradsafe.pipelining._stage.merge_without_view_graphs`.
+
 Stage metadata inference is made free of side effects (hazard H6, see
 :mod:`gradsafe.pipelining._inference`) wherever the installed torch has it,
 found by the methods it defines (:func:`_inference_targets`): a schedule-wide
@@ -57,6 +61,8 @@ _METADATA_INFERENCE = "_forward_metadata_inference"
 _SCHEDULE_INFERENCE = "_initialize_pp_stages"
 _STAGE_INFERENCE = (_METADATA_INFERENCE, "_backward_metadata_inference", "_shape_inference")
 _FROM_METADATA = "_to_tensor"
+# Keeps a last stage's outputs for the merge at the end of step().
+_FORWARD_CHUNK = "forward_one_chunk"
 # Called per stage at the end of a step to divide by n_microbatches (H7).
 _SCALE_GRADS = "scale_grads"
 # The stage must call these (zero-bubble schedules go through them).
@@ -119,6 +125,15 @@ def plan() -> Sequence[Target] | Skip:
         for module in (_DEFINED_IN, _CALLED_FROM)
         for name, replacement in _OURS.items()
     ]
+    forward_chunk = vars(stage._PipelineStageBase).get(_FORWARD_CHUNK)
+    if forward_chunk is not None:
+        targets.append(
+            AttrTarget(
+                _CALLED_FROM,
+                f"_PipelineStageBase.{_FORWARD_CHUNK}",
+                _stage.merge_without_view_graphs(forward_chunk),
+            )
+        )
     return [*targets, *_inference_targets(stage, schedules), *_scaling_targets(stage, schedules)]
 
 

@@ -9,6 +9,7 @@ and the exception says how many; a hook's exception keeps its type.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -93,3 +94,51 @@ def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(
     assert "hook" not in str(info.value)
     assert "No parameter gradient has changed" in str(info.value)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _notes(exc: BaseException) -> str:
+    return " ".join(getattr(exc, "__notes__", []))
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["grad None", "grad held"])
+def test_a_post_accumulate_hook_raising_leaves_each_gradient_whole_or_untouched(
+    held: bool,
+) -> None:
+    """A post-accumulate-grad hook raising during delivery: every parameter's ``.grad`` is
+    exactly as before W or exactly as a fused backward leaves it, never part of it; the
+    raising parameter holds its gradient (its hook runs after accumulation); how many hold
+    it lies within the counts the exception's note gives; the hand-off is FAILED and a retry
+    refused. With ``.grad`` None every gradient is delivered in W's last engine backward, so
+    the note counts them all as under way."""
+    model, x, g = _stage()
+    start = [torch.randn_like(p) if held else None for p in model.parameters()]
+    model(x).backward(g)
+    fused = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    want = [f if s is None else s + f for s, f in zip(start, fused)]
+    for p, s in zip(model.parameters(), start):
+        p.grad = None if s is None else s.clone()
+    raising = model[2].weight
+    raising.register_post_accumulate_grad_hook(lambda p: (_ for _ in ()).throw(_HookError()))
+    _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
+    with pytest.raises(_HookError) as info:
+        stage_backward_weight(model.parameters(), handoff)
+    assert handoff.state is HandoffState.FAILED
+    whole = 0
+    for p, s, w in zip(model.parameters(), start, want):
+        if p.grad is None or (s is not None and torch.equal(p.grad, s)):
+            assert p is not raising
+            continue
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-6)
+        whole += 1
+    assert raising.grad is not None
+    if sys.version_info >= (3, 11):  # exception notes
+        found = re.search(
+            r"delivered (\d+) of the 6 .*?(?:(\d+) more were being delivered|$)", _notes(info.value)
+        )
+        assert found, _notes(info.value)
+        delivered, under_way = int(found[1]), int(found[2] or 0)
+        assert delivered <= whole <= delivered + under_way, (delivered, under_way, whole)
+        if not held:
+            assert (delivered, under_way) == (0, 6)
+    with pytest.raises(SplitBackwardError, match="already failed"):
+        stage_backward_weight(model.parameters(), handoff)

@@ -1,0 +1,189 @@
+"""One of 2 gloo ranks: live storage during B and W of a data-parallel stage, gradsafe vs torch's split.
+
+Run by test_pipelining_memory_dp.py. argv: rank port outdir. Writes outdir/rank{r}.pt:
+``{"points": {case: {point: bytes}}, "grads": {case: [gradients]}}`` or ``{"crash": ...}``,
+a case being ``(wrapper, stage, order, impl)``.
+
+The stage (Linear + tanh layers, a middle stage: its output gradient comes from
+the next stage) is wrapped over both ranks: FSDP2 (``fully_shard``, parameters
+really sharded in two, ``reshard_after_forward=False``: torch's split is handed
+the parameters the graph holds, so it computes every gradient and the comparison
+is like for like) or DDP. B and W are called the way ``stage.py`` calls them
+(``backward_maybe_with_nosync``): FSDP2's flags set before each; DDP under
+``no_sync`` except the last microbatch's B and W, before which the reducer is
+prepared; the stage output kept until its W, the input gradients until the
+step ends. Then the step's gradient reduction as ``stage.py`` ends a step
+(FSDP2's ``post_backward`` with gradient sync; DDP reduced in its hooks). Both
+ranks get the same data, so the reduced gradients equal each rank's own.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MICROBATCHES = 3
+# (layers, dim, tokens per microbatch): weight gradients dominate, activations dominate.
+STAGES = {"weight-dominated": (4, 256, 8), "activation-dominated": (4, 32, 512)}
+ORDERS = ("every B, then every W", "B and W per microbatch")
+
+
+def _stage(name: str) -> nn.Module:
+    layers, dim, _ = STAGES[name]
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.Tanh())))
+
+
+def _wrap(module: nn.Module, wrapper: str) -> nn.Module:
+    if wrapper == "ddp":
+        return nn.parallel.DistributedDataParallel(module)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=False)
+    return module
+
+
+def _forward_as_stage(wrapper: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One forward as ``stage.py``'s ``forward_maybe_with_nosync`` runs it."""
+    if wrapper == "ddp":
+        with model.no_sync():  # type: ignore[operator]
+            return model(x)
+    return model(x)
+
+
+def _backward_as_stage(wrapper: str, model: nn.Module, last: bool, outputs: Any, run: Any) -> Any:
+    """One B or W as ``stage.py``'s ``backward_maybe_with_nosync`` runs it."""
+    if wrapper == "ddp":
+        if not last:
+            with model.no_sync():  # type: ignore[operator]
+                return run()
+        from torch.nn.parallel.distributed import _find_tensors
+
+        model.reducer.prepare_for_backward(list(_find_tensors(outputs)))  # type: ignore[union-attr, operator]
+        return run()
+    model.set_is_last_backward(False)  # type: ignore[operator]
+    model.set_reshard_after_backward(False)  # type: ignore[operator]
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    return run()
+
+
+def _end_step(wrapper: str, model: nn.Module) -> None:
+    """What ``stage.py`` does once every W has run: FSDP2's reduce-scatter (DDP reduced in its hooks)."""
+    if wrapper == "ddp":
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    model.set_is_last_backward(True)  # type: ignore[operator]
+    model.set_reshard_after_backward(True)  # type: ignore[operator]
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    state = fully_shard.state(model)  # type: ignore[attr-defined]
+    for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+        group.post_backward()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        g = p.grad
+        full = getattr(g, "full_tensor", None)
+        out.append((full() if full is not None else g).detach().clone())
+    return out
+
+
+def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, int], list[Any]]:
+    from torch.distributed.pipelining import _backward as torch_split
+
+    from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+    from gradsafe.testing import LiveStorage
+
+    b, w = (
+        (stage_backward_input, stage_backward_weight)
+        if impl == "gradsafe"
+        else (torch_split.stage_backward_input, torch_split.stage_backward_weight)
+    )
+    module = _stage(stage)
+    _, dim, tokens = STAGES[stage]
+    torch.manual_seed(1)  # the same data on both ranks
+    xs = [torch.randn(tokens, dim, requires_grad=True) for _ in range(MICROBATCHES)]
+    gs = [torch.randn(tokens, dim) for _ in range(MICROBATCHES)]
+    if order == ORDERS[0]:
+        steps = [("B", i) for i in range(MICROBATCHES)] + [("W", i) for i in range(MICROBATCHES)]
+    else:
+        steps = [(kind, i) for i in range(MICROBATCHES) for kind in "BW"]
+    last = MICROBATCHES - 1
+    points: dict[str, int] = {}
+    existing = [*module.parameters(), *xs, *gs]
+    with LiveStorage(existing) as live:
+        # Wrapped inside: what the wrapper allocates (FSDP2's shards, DDP's buckets, which only
+        # gradsafe's W writes into: torch's W fires no hooks) is counted from the start in both.
+        model = _wrap(module, wrapper)
+        outs: list[Any] = [_forward_as_stage(wrapper, model, x) for x in xs]
+        # Garbage the wrapping left (DDP's init) would otherwise die whenever the cyclic
+        # collector next runs, in either run's B (gradsafe pauses the collector in B and W).
+        gc.collect()
+        live.mark()
+        handoffs: list[Any] = [None] * MICROBATCHES
+        input_grads = []  # torch's stage keeps them (bwd_cache) until they are sent
+        for kind, i in steps:
+            if kind == "B":
+
+                def run_b(i: int = i) -> Any:
+                    return b([outs[i]], [gs[i]], [xs[i]], model.parameters())
+
+                dinputs, handoffs[i] = _backward_as_stage(wrapper, model, i == last, outs[i], run_b)
+                input_grads.append(dinputs)
+            else:
+
+                def run_w(i: int = i) -> Any:
+                    return w(model.parameters(), handoffs[i])
+
+                _backward_as_stage(wrapper, model, i == last, outs[i], run_w)
+                handoffs[i] = outs[i] = None  # the schedule pops its backward_state entry
+            points[f"peak during {kind}{i}"] = live.peak_since_mark
+            points[f"after {kind}{i}"] = live.mark()
+        _end_step(wrapper, model)
+        points["peak during the reduction"] = live.peak_since_mark
+        # FSDP2's reduction leaves a reference cycle holding a gradient-sized buffer, in both
+        # runs; when the collector frees it is chance. Read what is still referenced.
+        gc.collect()
+        points["after the reduction"] = live.mark()
+    return points, _grads(model)
+
+
+def main() -> None:
+    rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"points": {}, "grads": {}}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=60),
+        )
+        for wrapper in ("fsdp", "ddp"):
+            for stage in STAGES:
+                for order in ORDERS:
+                    for impl in ("torch", "gradsafe"):
+                        case = (wrapper, stage, order, impl)
+                        result["points"][case], result["grads"][case] = measure(*case)
+    except Exception as exc:  # report, don't hang the peer
+        result = {"crash": f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()}
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    if "crash" in result:
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
