@@ -48,6 +48,7 @@ from gradsafe.cuda_graphs._autograd import (
     is_accumulate_grad,
     is_accumulating_backward,
     leaf_fate,
+    not_differentiable,
     version_of,
     will_execute,
 )
@@ -206,6 +207,14 @@ class Replays:
         )
 
 
+_TWICE = (
+    "trying to differentiate twice through a graphed callable (gradsafe.cuda_graphs): its "
+    "backward replays a captured graph, which autograd cannot differentiate, so a gradient "
+    "computed with create_graph=True through it (a gradient penalty) has no second-order "
+    "terms. Compute that gradient with the eager module instead of the graphed callable."
+)
+
+
 def owning_graphed(
     graphed_cls: type[torch.autograd.Function], policy: Ownership
 ) -> type[torch.autograd.Function]:
@@ -245,7 +254,12 @@ def owning_graphed(
                 # once_differentiable returns its error node's lone output
                 # bare when the incoming gradients require grad (create_graph).
                 static = (static,)
-            return _owned(ctx, static, policy)
+            owned = _owned(ctx, static, policy)
+            if torch.is_grad_enabled():
+                # create_graph=True: the replayed graph computed these outside
+                # autograd, so differentiating them again must raise, not see constants.
+                return not_differentiable(owned, _TWICE)
+            return owned
 
     setattr(GradsafeGraphed, _MARK, True)
     GradsafeGraphed.__qualname__ = f"GradsafeGraphed[{policy}]"
