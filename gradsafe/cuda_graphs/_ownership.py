@@ -135,7 +135,7 @@ class Replays:
     saved output), and a backward replay may overwrite them (measured on a GPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, static_inputs: tuple[torch.Tensor, ...] = ()) -> None:
         self.latest = 0
         # Aliases of the latest call's outputs (no autograd history, so no
         # cycle through the graph) and their versions right after the call.
@@ -143,6 +143,11 @@ class Replays:
         self._versions: tuple[int, ...] = ()
         # The call whose backward graph was last replayed.
         self._backward_of = 0
+        # The tensors the graphs read as inputs (sample arguments, parameters:
+        # the backward graph reads those a capture saved) and their versions
+        # right after the latest call.
+        self._static_inputs = static_inputs
+        self._input_versions: tuple[int, ...] = ()
 
     def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
         """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
@@ -153,6 +158,7 @@ class Replays:
         increment_version(tensors)
         self._outputs = tuple(o.detach() for o in tensors)
         self._versions = tuple(version_of(o) for o in tensors)
+        self._input_versions = tuple(version_of(t) for t in self._static_inputs)
         self.latest += 1
         ctx.gradsafe_generation = self.latest
         # Also saved, so that a non-reentrant checkpoint's recomputation
@@ -178,6 +184,28 @@ class Replays:
                 "second replay would read, and that replay would compute wrong gradients "
                 "silently. Call the graphed callable again (or recompute the call in its "
                 "backward with torch.utils.checkpoint around it) for each backward through it."
+            )
+        changed = next(
+            (
+                i
+                for i, (t, v) in enumerate(zip(self._static_inputs, self._input_versions))
+                if version_of(t) != v
+            ),
+            None,
+        )
+        if changed is not None:
+            raise RuntimeError(
+                f"gradsafe.cuda_graphs: input {changed} of this graphed callable's graphs (its "
+                "sample arguments, then the module's parameters) was modified in place after the "
+                "call and before its backward. The captured backward graph reads that tensor "
+                "itself wherever an op of the callable saved it (a parameter always is the "
+                "graph's input; an argument is when it is the sample tensor passed again), so it "
+                "would differentiate the modified values; eager autograd refuses the same change "
+                "where the tensor was saved. Change parameters only after the backward (step "
+                "the optimizer after it), and refill a sample tensor for the next call only "
+                "after this call's backward (or pass a different tensor, which is copied). "
+                "Gradients already accumulated by this backward are incomplete: zero them "
+                "before redoing the step."
             )
         if any(version_of(o) != v for o, v in zip(self._outputs, self._versions)):
             raise RuntimeError(
@@ -216,14 +244,19 @@ _TWICE = (
 
 
 def owning_graphed(
-    graphed_cls: type[torch.autograd.Function], policy: Ownership
+    graphed_cls: type[torch.autograd.Function],
+    policy: Ownership,
+    static_inputs: tuple[torch.Tensor, ...] = (),
 ) -> type[torch.autograd.Function]:
-    """A subclass of upstream's ``Graphed`` whose backward returns owned gradients per ``policy``."""
+    """A subclass of upstream's ``Graphed`` whose backward returns owned gradients per ``policy``.
+
+    ``static_inputs``: the tensors its graphs read as inputs, checked unmodified at backward.
+    """
     if policy not in ("auto", "always"):
         raise ValueError(f"owning_graphed: policy must be 'auto' or 'always', got {policy!r}")
     upstream_forward = graphed_cls.forward
     upstream_backward = graphed_cls.backward
-    replays = Replays()  # one per callable: graphed_cls is
+    replays = Replays(static_inputs)  # one per callable: graphed_cls is
 
     class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
         @staticmethod
