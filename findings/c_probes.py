@@ -349,6 +349,32 @@ def weight_mutated_between_b_and_w():
     return "no error"
 
 
+@case
+def weight_only_output_grad_reused():
+    # a stage output computed from parameters alone (W's output root) and a K leaf
+    class P(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=F64)
+            self.w = nn.Parameter(torch.randn(4, dtype=F64))
+
+        def forward(self, x):
+            return self.lin(x), self.w * 2
+
+    m, r = pair(P)
+    x, g = inputs()
+    xx = x.detach().requires_grad_()
+    o1, o2 = m(xx)
+    g2 = torch.ones(4, dtype=F64)
+    _, h = stage_backward_input([o1, o2], [g, g2], [xx], list(m.parameters()))
+    g2.zero_()
+    try:
+        stage_backward_weight(list(m.parameters()), h)
+    except Exception as e:
+        return f"REFUSED {type(e).__name__}: {str(e)[:200]}"
+    return "no error (WRONG if w.grad is 0): w.grad " + str(m.w.grad)
+
+
 def main():
     names = [a for a in sys.argv[1:] if a != "-v"] or list(CASES)
     for n in names:
