@@ -73,20 +73,20 @@ def test_a_gradient_penalty_from_a_root_of_ones_raises_instead_of_dropping_secon
 ) -> None:
     # autograd.grad(y.sum(), x, create_graph=True): the incoming gradients (ones)
     # do not require grad, so once_differentiable adds no error node and the
-    # graphed backward's results were constants: the penalty's gradient was
-    # silently left out (2.72 max abs error on the parameters, fp64, against eager).
+    # graphed backward's results were constants. Added to a later call's loss
+    # (the WGAN-GP shape: the penalty from one call, the loss from the next),
+    # the penalty's gradient was silently left out (fp64, against eager).
     torch.manual_seed(0)
     body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
     graphed = make_graphed_callables(
         body, (torch.randn(2, 4, dtype=torch.float64, requires_grad=True),), ownership=ownership
     )
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    y = graphed(x)
-    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    reference = torch.autograd.grad(body(x).sum(), x)[0]
-    assert torch.equal(gx.detach(), reference)  # first order unchanged
+    (gx,) = torch.autograd.grad(graphed(x).sum(), x, create_graph=True)
+    assert torch.equal(gx.detach(), torch.autograd.grad(body(x).sum(), x)[0])  # first order
+    loss = graphed(torch.randn(2, 4, dtype=torch.float64)).pow(2).sum()
     with pytest.raises(RuntimeError, match="differentiate twice through a graphed callable"):
-        (y.sum() + gx.pow(2).sum()).backward()
+        (loss + gx.pow(2).sum()).backward()
 
 
 def test_a_first_order_backward_returns_gradients_without_a_graph() -> None:
