@@ -125,6 +125,12 @@ def _owned(ctx: Any, static: tuple[Any, ...], policy: Ownership) -> tuple[Any, .
     return tuple(owned)
 
 
+def _storage_pointer(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts (None for an empty one, which aliases nothing)."""
+    pointer = t.untyped_storage().data_ptr()
+    return pointer or None
+
+
 class Replays:
     """How many times one graphed callable's forward graph was replayed: its static buffers hold the last.
 
@@ -148,6 +154,11 @@ class Replays:
         # right after the latest call.
         self._static_inputs = static_inputs
         self._input_versions: tuple[int, ...] = ()
+        # Their storages: an output that is one of them (a module returning
+        # its weight, a callable returning its argument) is not rewritten by
+        # the replay, so its version is not bumped (that would break an eager
+        # use of the parameter saved before the call).
+        self._input_storages = {p for p in map(_storage_pointer, static_inputs) if p is not None}
 
     def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
         """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
@@ -155,7 +166,9 @@ class Replays:
         # their version counter: tensors saved from an earlier call's outputs
         # now fail at unpack instead of reading this call's values.
         tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
-        increment_version(tensors)
+        rewritten = [o for o in tensors if _storage_pointer(o) not in self._input_storages]
+        if rewritten:
+            increment_version(rewritten)
         self._outputs = tuple(o.detach() for o in tensors)
         self._versions = tuple(version_of(o) for o in tensors)
         self._input_versions = tuple(version_of(t) for t in self._static_inputs)

@@ -340,3 +340,39 @@ def test_the_sample_tensor_refilled_after_each_backward_stays_exact(env: Env) ->
         graphed(static_x).pow(2).sum().backward()
     for got, expected in zip(body.parameters(), want):
         torch.testing.assert_close(got.grad, expected, rtol=0, atol=1e-12)
+
+
+class _ReturnsWeight(torch.nn.Module):
+    """Returns its weight beside its output (for a tied use outside the graphed callable)."""
+
+    def __init__(self, env: Env) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4).to(env.device, F64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), self.lin.weight
+
+
+def test_an_output_that_is_a_parameter_keeps_its_version_and_an_earlier_eager_use_exact(
+    env: Env,
+) -> None:
+    # The replay does not rewrite a parameter, so the call must not bump its
+    # version: an eager use of the weight saved before the call raised torch's
+    # "modified by an inplace operation" at backward, with nothing modified.
+    module = _ReturnsWeight(env)
+    x, h = env.randn(2, 4, requires_grad=True), env.randn(2, 4, requires_grad=True)
+
+    def loss(fn: Any) -> torch.Tensor:
+        tied = h @ module.lin.weight  # saves the weight (h requires grad)
+        y, w = fn(x)
+        return (tied.pow(2) + y).sum() + w.pow(2).sum()
+
+    loss(module).backward()
+    leaves = [*module.parameters(), x, h]
+    want = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    graphed = make_graphed_callables(module, (env.randn(2, 4, requires_grad=True),))
+    loss(graphed).backward()
+    for got, expected in zip(leaves, want):
+        torch.testing.assert_close(got.grad, expected, rtol=0, atol=1e-12)
