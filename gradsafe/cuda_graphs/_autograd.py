@@ -26,6 +26,7 @@ __all__ = [
     "is_accumulate_grad",
     "is_accumulating_backward",
     "leaf_fate",
+    "not_differentiable",
     "version_of",
     "will_execute",
 ]
@@ -101,3 +102,25 @@ def accumulate_grad_keeps(leaf: torch.Tensor) -> bool:
 def version_of(t: torch.Tensor) -> int:
     """``t``'s autograd version counter (shared by its views), which every in-place change bumps."""
     return t._version
+
+
+def not_differentiable(grads: tuple[object, ...], message: str) -> tuple[object, ...]:
+    """``grads`` with every tensor that has no graph routed through a node that raises ``message`` if differentiated.
+
+    For a backward computed outside autograd under ``create_graph=True``:
+    ``once_differentiable`` adds such a node only where the incoming gradients
+    require grad; where they do not (a root of ones), its results would be
+    constants and a gradient penalty through them silently zero.
+    (``torch._C._functions.DelayedError`` is the node ``once_differentiable`` uses.)
+    """
+    plain = {
+        i: g for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and not g.requires_grad
+    }
+    if not plain:
+        return grads
+    error = torch._C._functions.DelayedError(message.encode(), len(plain))  # type: ignore[attr-defined]
+    wrapped = error(*(g.detach().requires_grad_() for g in plain.values()))
+    out = list(grads)
+    for i, g in zip(plain, wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)):
+        out[i] = g
+    return tuple(out)

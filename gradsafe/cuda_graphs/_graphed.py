@@ -105,8 +105,10 @@ def make_graphed_callables(
     hold its latest call). Unless ``ownership="never"``, each call bumps the
     autograd version of its outputs, so a tensor saved from an earlier call's
     output raises torch's in-place error at unpack, and a call's backward run
-    after a later call raises ``RuntimeError`` (docs/cuda_graphs.md, "What is
-    not owned"); ``torch.utils.checkpoint`` around the callable recomputes a
+    after a later call, or after an in-place change to its outputs, to a
+    parameter or to a sample tensor passed again as the argument (the graphs
+    read those in place), raises ``RuntimeError`` (docs/cuda_graphs.md, "What
+    is not owned"); ``torch.utils.checkpoint`` around the callable recomputes a
     call before its backward, which is exact.
 
     Raises:
@@ -168,5 +170,5 @@ def make_graphed_callables(
         for c, a in zip(returned, sample_args_per_callable)
     ]
     for site in sites:
-        site.install(owning_graphed(site.graphed_cls, ownership))
+        site.install(owning_graphed(site.graphed_cls, ownership, site.static_inputs))
     return graphed

@@ -48,6 +48,7 @@ from gradsafe.cuda_graphs._autograd import (
     is_accumulate_grad,
     is_accumulating_backward,
     leaf_fate,
+    not_differentiable,
     version_of,
     will_execute,
 )
@@ -124,6 +125,12 @@ def _owned(ctx: Any, static: tuple[Any, ...], policy: Ownership) -> tuple[Any, .
     return tuple(owned)
 
 
+def _storage_pointer(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts (None for an empty one, which aliases nothing)."""
+    pointer = t.untyped_storage().data_ptr()
+    return pointer or None
+
+
 class Replays:
     """How many times one graphed callable's forward graph was replayed: its static buffers hold the last.
 
@@ -134,7 +141,7 @@ class Replays:
     saved output), and a backward replay may overwrite them (measured on a GPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, static_inputs: tuple[torch.Tensor, ...] = ()) -> None:
         self.latest = 0
         # Aliases of the latest call's outputs (no autograd history, so no
         # cycle through the graph) and their versions right after the call.
@@ -142,6 +149,16 @@ class Replays:
         self._versions: tuple[int, ...] = ()
         # The call whose backward graph was last replayed.
         self._backward_of = 0
+        # The tensors the graphs read as inputs (sample arguments, parameters:
+        # the backward graph reads those a capture saved) and their versions
+        # right after the latest call.
+        self._static_inputs = static_inputs
+        self._input_versions: tuple[int, ...] = ()
+        # Their storages: an output that is one of them (a module returning
+        # its weight, a callable returning its argument) is not rewritten by
+        # the replay, so its version is not bumped (that would break an eager
+        # use of the parameter saved before the call).
+        self._input_storages = {p for p in map(_storage_pointer, static_inputs) if p is not None}
 
     def stamp(self, ctx: Any, outputs: tuple[Any, ...]) -> None:
         """Number the call whose forward replay just wrote ``outputs``; host work only, no kernel."""
@@ -149,9 +166,12 @@ class Replays:
         # their version counter: tensors saved from an earlier call's outputs
         # now fail at unpack instead of reading this call's values.
         tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
-        increment_version(tensors)
+        rewritten = [o for o in tensors if _storage_pointer(o) not in self._input_storages]
+        if rewritten:
+            increment_version(rewritten)
         self._outputs = tuple(o.detach() for o in tensors)
         self._versions = tuple(version_of(o) for o in tensors)
+        self._input_versions = tuple(version_of(t) for t in self._static_inputs)
         self.latest += 1
         ctx.gradsafe_generation = self.latest
         # Also saved, so that a non-reentrant checkpoint's recomputation
@@ -177,6 +197,28 @@ class Replays:
                 "second replay would read, and that replay would compute wrong gradients "
                 "silently. Call the graphed callable again (or recompute the call in its "
                 "backward with torch.utils.checkpoint around it) for each backward through it."
+            )
+        changed = next(
+            (
+                i
+                for i, (t, v) in enumerate(zip(self._static_inputs, self._input_versions))
+                if version_of(t) != v
+            ),
+            None,
+        )
+        if changed is not None:
+            raise RuntimeError(
+                f"gradsafe.cuda_graphs: input {changed} of this graphed callable's graphs (its "
+                "sample arguments, then the module's parameters) was modified in place after the "
+                "call and before its backward. The captured backward graph reads that tensor "
+                "itself wherever an op of the callable saved it (a parameter always is the "
+                "graph's input; an argument is when it is the sample tensor passed again), so it "
+                "would differentiate the modified values; eager autograd refuses the same change "
+                "where the tensor was saved. Change parameters only after the backward (step "
+                "the optimizer after it), and refill a sample tensor for the next call only "
+                "after this call's backward (or pass a different tensor, which is copied). "
+                "Gradients already accumulated by this backward are incomplete: zero them "
+                "before redoing the step."
             )
         if any(version_of(o) != v for o, v in zip(self._outputs, self._versions)):
             raise RuntimeError(
@@ -206,15 +248,28 @@ class Replays:
         )
 
 
+_TWICE = (
+    "trying to differentiate twice through a graphed callable (gradsafe.cuda_graphs): its "
+    "backward replays a captured graph, which autograd cannot differentiate, so a gradient "
+    "computed with create_graph=True through it (a gradient penalty) has no second-order "
+    "terms. Compute that gradient with the eager module instead of the graphed callable."
+)
+
+
 def owning_graphed(
-    graphed_cls: type[torch.autograd.Function], policy: Ownership
+    graphed_cls: type[torch.autograd.Function],
+    policy: Ownership,
+    static_inputs: tuple[torch.Tensor, ...] = (),
 ) -> type[torch.autograd.Function]:
-    """A subclass of upstream's ``Graphed`` whose backward returns owned gradients per ``policy``."""
+    """A subclass of upstream's ``Graphed`` whose backward returns owned gradients per ``policy``.
+
+    ``static_inputs``: the tensors its graphs read as inputs, checked unmodified at backward.
+    """
     if policy not in ("auto", "always"):
         raise ValueError(f"owning_graphed: policy must be 'auto' or 'always', got {policy!r}")
     upstream_forward = graphed_cls.forward
     upstream_backward = graphed_cls.backward
-    replays = Replays()  # one per callable: graphed_cls is
+    replays = Replays(static_inputs)  # one per callable: graphed_cls is
 
     class GradsafeGraphed(graphed_cls):  # type: ignore[valid-type,misc]
         @staticmethod
@@ -245,7 +300,12 @@ def owning_graphed(
                 # once_differentiable returns its error node's lone output
                 # bare when the incoming gradients require grad (create_graph).
                 static = (static,)
-            return _owned(ctx, static, policy)
+            owned = _owned(ctx, static, policy)
+            if torch.is_grad_enabled():
+                # create_graph=True: the replayed graph computed these outside
+                # autograd, so differentiating them again must raise, not see constants.
+                return not_differentiable(owned, _TWICE)
+            return owned
 
     setattr(GradsafeGraphed, _MARK, True)
     GradsafeGraphed.__qualname__ = f"GradsafeGraphed[{policy}]"

@@ -65,11 +65,16 @@ class GraphedSite:
     ``leading`` counts the non-tensor arguments ``Graphed.forward`` takes before
     the tensors (torch 2.15 passes its ``(fwd_graph, bwd_graph)`` tuple first);
     its backward returns a None for each of them before the tensors' gradients.
+    ``static_inputs`` are the tensors the captured graphs read as inputs (the
+    sample arguments, then the module's parameters): the forward copies an
+    argument into its buffer unless it is that very tensor, so a parameter, or
+    a sample tensor passed again, is read in place by the backward graph.
     """
 
     cell: types.CellType
     graphed_cls: type[torch.autograd.Function]
     leading: int
+    static_inputs: tuple[torch.Tensor, ...]
 
     def install(self, replacement: type[torch.autograd.Function]) -> None:
         self.cell.cell_contents = replacement
@@ -122,6 +127,25 @@ class _NoReplay:
 
     def replay(self) -> None:
         pass
+
+
+def _static_inputs(
+    graphed_cls: type[torch.autograd.Function], num_inputs: int
+) -> tuple[torch.Tensor, ...]:
+    """The ``static_input_surface`` ``Graphed.forward`` copies arguments into (one tensor per input)."""
+    forward = inspect.unwrap(graphed_cls.forward)
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    surface = cells.get("static_input_surface")
+    value = None if surface is None else surface.cell_contents
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != num_inputs
+        or not all(isinstance(t, torch.Tensor) for t in value)
+    ):
+        raise _unsupported(
+            f"{_CLASS_NAME}.forward does not close over a static_input_surface of {num_inputs} tensors"
+        )
+    return tuple(value)
 
 
 def _dry_backward(graphed_cls: type[torch.autograd.Function]) -> object:
@@ -210,4 +234,4 @@ def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
         )
     if any(g is not None and not isinstance(g, torch.Tensor) for g in returned_grads[leading:]):
         raise _unsupported(f"{_CLASS_NAME}.backward returns a non-tensor gradient for an input")
-    return GraphedSite(cell, graphed_cls, leading)
+    return GraphedSite(cell, graphed_cls, leading, _static_inputs(graphed_cls, num_inputs))

@@ -37,7 +37,13 @@ from gradsafe.pipelining._refusals import (
     require_input_list,
 )
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
-from gradsafe.pipelining._torch import is_python_node, is_view, leaf_variable, silenced_tensor_hooks
+from gradsafe.pipelining._torch import (
+    is_python_node,
+    is_view,
+    leaf_variable,
+    silenced_tensor_hooks,
+    version,
+)
 from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
@@ -55,14 +61,16 @@ class _WRecords(TypedDict):
     output_roots: list[OutputRoot]
 
 
-def _record(
-    store: dict[Node, tuple[torch.Tensor | None, ...]],
-    node: Node,
-    grad_inputs: Any,
-    grad_outputs: Any,
-) -> None:
-    # A post hook: what arrived, after every pre-hook and tensor hook changed it.
-    store[node] = tuple(grad_outputs)
+_Arrived = tuple[tuple[torch.Tensor | None, ...], tuple[int, ...]]
+
+
+def _record(store: dict[Node, _Arrived], node: Node, grad_inputs: Any, grad_outputs: Any) -> None:
+    # A post hook: what arrived, after every pre-hook and tensor hook changed
+    # it, and its versions now (W refuses a gradient modified in place since).
+    store[node] = (
+        tuple(grad_outputs),
+        tuple(-1 if g is None else version(g) for g in grad_outputs),
+    )
 
 
 def stage_backward_input(
@@ -198,19 +206,20 @@ def _stage_backward_input(
 def _records_for_w(
     graph: StageGraph,
     roots: Sequence[Root],
-    captured: dict[Node, tuple[torch.Tensor | None, ...]],
+    captured: dict[Node, _Arrived],
     in_b: set[Intermediate],
     k_leaves: Sequence[Node],
     at_leaves: Sequence[torch.Tensor | None],
     k_outputs: set[int],
 ) -> _WRecords:
     """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
+    recorded = []
+    for item in graph.intermediates:
+        grads, versions = captured.get(item.node, ((), ()))
+        if item not in in_b and any(g is not None for g in grads):
+            recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
     return _WRecords(
-        recorded=[
-            Recorded(item.node, captured[item.node], item.weight_edges)
-            for item in graph.intermediates
-            if item not in in_b and any(g is not None for g in captured.get(item.node, ()))
-        ],
+        recorded=recorded,
         kept=[Kept(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None],
         output_roots=[
             OutputRoot(roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
@@ -229,10 +238,10 @@ def _run_b(
     k_leaves: Sequence[Node],
     k_outputs: set[int],
     group: Any,
-) -> tuple[dict[Node, tuple[torch.Tensor | None, ...]], Sequence[torch.Tensor | None]]:
+) -> tuple[dict[Node, _Arrived], Sequence[torch.Tensor | None]]:
     """B's one engine call: fills ``dinputs``; returns what arrived at each intermediate W
     calls again, and the gradients captured at ``K``'s leaves (in ``k_leaves`` order)."""
-    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    captured: dict[Node, _Arrived] = {}
     at_leaves: Sequence[torch.Tensor | None] = ()
     handles: list[Any] = []
     try:

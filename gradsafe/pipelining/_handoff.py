@@ -13,7 +13,14 @@ import torch
 from torch.autograd.graph import Node
 
 from gradsafe.pipelining._gc import collector_paused
-from gradsafe.pipelining._torch import DONATED_BUFFERS, engine_error, saved_freed
+from gradsafe.pipelining._torch import (
+    DONATED_BUFFERS,
+    engine_error,
+    is_modified_in_place,
+    leaf_variable,
+    saved_unusable,
+    version,
+)
 from gradsafe.pipelining._weight_pass import (
     IntermediateFailed,
     Kept,
@@ -100,10 +107,21 @@ def _changed(progress: Progress | None) -> str:
     return text + "; the others are unchanged."
 
 
+_MODIFIED = (
+    "saved a tensor in the forward (an activation, a stage input or a weight) that was "
+    "modified in place after B and before W, and W needs it (a fused backward run after the "
+    "same change raises torch's 'modified by an inplace operation' error). Leave it unchanged "
+    "until W has run (e.g. step the optimizer after every W), or modify a copy; then redo the "
+    "microbatch's forward and backward."
+)
+
+
 def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardError:
     cause = exc.cause
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-    if "second time" in first or "freed" in first:
+    if is_modified_in_place(cause):
+        why = "that node " + _MODIFIED
+    elif "second time" in first or "freed" in first:
         why = (
             "its saved tensors are gone: another backward ran through this microbatch's graph "
             "between B and W without retain_graph=True. Redo the microbatch's forward and backward."
@@ -163,6 +181,11 @@ class WeightGradHandoff:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
         self._output_roots = tuple(output_roots)
+        # The versions of the gradients W starts from besides the recorded
+        # ones (those carry their own, read as they arrived): W refuses if one
+        # changed in place before it runs.
+        self._root_versions = tuple(version(r.grad) for r in self._output_roots)
+        self._kept_versions = tuple(version(k.grad) for k in self._kept)
         self._weight_nodes = tuple(weight_nodes)
         self._leaf_nodes = tuple(leaf_nodes)
         self._leaves = tuple(leaves)
@@ -319,15 +342,47 @@ class WeightGradHandoff:
     def _validate(self, weights: Sequence[torch.Tensor]) -> None:
         """Everything W can check without computing a gradient: nothing has changed yet."""
         self._check_weights(weights)
-        nodes = (*(node for node, _, _ in self._recorded), *self._weight_nodes)
-        freed = next((node for node in nodes if saved_freed(node)), None)
-        if freed is not None:
+        nodes = (*(rec.node for rec in self._recorded), *self._weight_nodes)
+        changed = self._gradient_changed_since_b()
+        if changed is not None:
             raise SplitBackwardError(
-                "W stopped before changing any parameter's gradient: the saved tensors of "
-                f"{freed.name()}, which W needs, were freed: another backward ran through this "
-                "microbatch's graph between B and W without retain_graph=True. Redo the "
-                "microbatch's forward and backward."
+                "W stopped before changing any parameter's gradient: a gradient W reads (what "
+                f"arrived at {changed} in B) was modified in place after B used it: by a hook "
+                "that modified its argument in place (torch's hook contract: return a new "
+                "tensor instead), or by code that reused a gradient buffer given to or returned "
+                "by B (an output gradient, an input gradient) before W. A fused backward "
+                "computes the weight gradients from the unmodified values. Return new tensors "
+                "from hooks and keep those buffers unchanged until W has run (or clone them); "
+                "then redo the microbatch's forward and backward."
             )
+        for node in nodes:
+            why = saved_unusable(node)
+            if why == "freed":
+                raise SplitBackwardError(
+                    "W stopped before changing any parameter's gradient: the saved tensors of "
+                    f"{node.name()}, which W needs, were freed: another backward ran through this "
+                    "microbatch's graph between B and W without retain_graph=True. Redo the "
+                    "microbatch's forward and backward."
+                )
+            if why == "modified":
+                raise SplitBackwardError(
+                    f"W stopped before changing any parameter's gradient: {node.name()} {_MODIFIED}"
+                )
+
+    def _gradient_changed_since_b(self) -> str | None:
+        """Where a gradient W starts from was modified in place since B saw it (None: nowhere)."""
+        for rec in self._recorded:
+            for grad, seen in zip(rec.grads, rec.versions):
+                if grad is not None and version(grad) != seen:
+                    return rec.node.name()
+        for root, seen in zip(self._output_roots, self._root_versions):
+            if version(root.grad) != seen:
+                return f"the stage output of {root.node.name()}"
+        for kept, seen in zip(self._kept, self._kept_versions):
+            if version(kept.grad) != seen:
+                leaf = leaf_variable(kept.node)
+                return "the accumulator of a " + ("leaf" if leaf is None else describe(leaf))
+        return None
 
     def _check_weights(self, weights: Sequence[torch.Tensor]) -> None:
         given = {id(w) for w in weights}

@@ -66,7 +66,13 @@ class SharedParameters:
         self._lock = threading.Lock()
 
     def register(self, stages: Sequence[Any]) -> None:
-        """Record which parameters several of ``stages`` (one schedule's) hold, none asked yet."""
+        """Record which parameters several of ``stages`` (one schedule's) hold, none asked yet.
+
+        The record of every parameter of ``stages`` is replaced, also where
+        one stage holds it now: an earlier schedule's record (a stage reused
+        with a partner that no longer holds the parameter, still alive) would
+        make that stage wait for a partner this schedule never runs.
+        """
         holders: dict[int, tuple[torch.Tensor, list[object]]] = {}
         for stage in stages:
             for param in stage.submod.parameters():
@@ -75,6 +81,8 @@ class SharedParameters:
             for param, holding in holders.values():
                 if len(holding) > 1:
                     self._shared[param] = _Shared(holding)
+                else:
+                    self._shared.pop(param, None)
 
     def divide_now(self, param: torch.Tensor, stage: object) -> bool:
         """Whether ``stage``'s ``scale_grads`` divides ``param``'s gradient (False: another stage will)."""

@@ -27,7 +27,8 @@ and :func:`missing_feature` reports it before the patch is applied:
   call time, replaced by an empty stand-in while a gradient is captured at
   that leaf;
 - ``Tensor._version``: a parameter changed in place during stage metadata
-  inference (refused: it cannot be undone);
+  inference (refused: it cannot be undone); a gradient W reads changed in
+  place between its arrival in B and W (refused before W changes anything);
 - ``Tensor._post_accumulate_grad_hooks`` and ``nn.Module``'s backward-hook
   dicts (per module and the module-global ones): silenced while a stage's
   metadata inference runs;
@@ -125,7 +126,8 @@ __all__ = [
     "missing_feature",
     "run_backward",
     "runs_whole",
-    "saved_freed",
+    "is_modified_in_place",
+    "saved_unusable",
 ]
 
 
@@ -250,22 +252,30 @@ def _saved_output_names(kind: type) -> tuple[str, ...]:
     return tuple(name for name in _saved_names(kind) if name.startswith("_raw_saved_result"))
 
 
-def saved_freed(node: Node) -> bool:
-    """Whether a built-in ``node``'s saved tensors were freed (a backward ran through it without retain_graph).
+def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
+    """Why a built-in ``node``'s saved tensors cannot be unpacked for W (None: they can, as far as one tells).
 
-    The engine frees all of a node's saved tensors at once, so unpacking one
-    tells. A custom Function's node is not checked (it unpacks through user code).
+    ``"freed"``: a backward ran through it without retain_graph (the engine
+    frees all of a node's saved tensors at once, so unpacking one tells).
+    ``"modified"``: the one unpacked was changed in place since it was saved
+    (another saved tensor changed in place shows only when W calls the node).
+    A custom Function's node is not checked (it unpacks through user code).
     """
     if is_python_node(node):
-        return False
+        return None
     names = _saved_names(type(node))
     if not names:
-        return False
+        return None
     try:
         getattr(node, names[0].replace("_raw_saved_", "_saved_", 1))
-    except RuntimeError:
-        return True
-    return False
+    except RuntimeError as exc:
+        return "modified" if is_modified_in_place(exc) else "freed"
+    return None
+
+
+def is_modified_in_place(exc: BaseException) -> bool:
+    """Whether ``exc`` is autograd's refusal to unpack a saved tensor changed in place since it was saved."""
+    return isinstance(exc, RuntimeError) and "modified by an inplace operation" in str(exc)
 
 
 @functools.cache

@@ -69,11 +69,17 @@ EdgeKey = tuple[Node, int]
 
 
 class Recorded(NamedTuple):
-    """An intermediate W calls again: the gradients that arrived at it in B, and its weight-side edges."""
+    """An intermediate W calls again: the gradients that arrived at it in B, and its weight-side edges.
+
+    ``versions``: the gradients' version counters as they arrived (-1 for
+    None); one modified in place since (by a later hook, or by a caller
+    reusing the buffer) is refused before W runs.
+    """
 
     node: Node
     grads: tuple[torch.Tensor | None, ...]
     weight_edges: tuple[WeightEdge, ...]
+    versions: tuple[int, ...]
 
 
 class Kept(NamedTuple):
@@ -249,7 +255,7 @@ def _call_intermediates(
         index = 0
         try:
             while recorded:
-                node, grads, edges = recorded.pop()
+                node, grads, edges, _ = recorded.pop()
                 try:
                     outputs = call_node(node, grads)
                 except Exception as exc:
@@ -426,7 +432,7 @@ def deliver_as_ready(
         members.setdefault(component[node], []).append(node)
     # Per intermediate, the components it sends into; per component, how many
     # intermediates have yet to send.
-    sends = [{component[target] for _, target, _ in edges} for _, _, edges in recorded]
+    sends = [{component[target] for _, target, _ in rec.weight_edges} for rec in recorded]
     pending: dict[Node, int] = {}
     for targets in sends:
         for c in targets:

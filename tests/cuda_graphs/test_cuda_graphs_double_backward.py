@@ -67,6 +67,35 @@ def test_create_graph_backward_matches_upstream(
         (gx * penalty_weight).sum().backward()
 
 
+@pytest.mark.parametrize("ownership", ["auto", "always"])
+def test_a_gradient_penalty_from_a_root_of_ones_raises_instead_of_dropping_second_order_terms(
+    ownership: str,
+) -> None:
+    # autograd.grad(y.sum(), x, create_graph=True): the incoming gradients (ones)
+    # do not require grad, so once_differentiable adds no error node and the
+    # graphed backward's results were constants. Added to a later call's loss
+    # (the WGAN-GP shape: the penalty from one call, the loss from the next),
+    # the penalty's gradient was silently left out (fp64, against eager).
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+    graphed = make_graphed_callables(
+        body, (torch.randn(2, 4, dtype=torch.float64, requires_grad=True),), ownership=ownership
+    )
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(graphed(x).sum(), x, create_graph=True)
+    assert torch.equal(gx.detach(), torch.autograd.grad(body(x).sum(), x)[0])  # first order
+    loss = graphed(torch.randn(2, 4, dtype=torch.float64)).pow(2).sum()
+    with pytest.raises(RuntimeError, match="differentiate twice through a graphed callable"):
+        (loss + gx.pow(2).sum()).backward()
+
+
+def test_a_first_order_backward_returns_gradients_without_a_graph() -> None:
+    graphed = make_graphed_callables(_sin, (torch.randn(3, requires_grad=True),))
+    x = torch.randn(3, requires_grad=True)
+    (gx,) = torch.autograd.grad(graphed(x).sum(), x)
+    assert gx.grad_fn is None and not gx.requires_grad
+
+
 class _Frozen(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

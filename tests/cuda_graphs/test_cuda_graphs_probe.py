@@ -29,10 +29,12 @@ def _stand_in(
     extra_slot: bool = False,
     leading_grad: bool = False,
     closes_over_buffers: bool = True,
+    closes_over_inputs: bool = True,
 ) -> Any:
     """A make_graphed_callables look-alike for one callable of one tensor input."""
 
     def make(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
+        static_input_surface = tuple(sample_args)
         static_grad_outputs = (torch.zeros(2),)
         static_grad_inputs = (torch.full((2,), 3.0),)
         bwd_graph = _ReplayForbidden()
@@ -50,19 +52,35 @@ def _stand_in(
         def opaque(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
             return (None,) * (2 if leading else 1)
 
+        def read(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            # As torch's: an argument is copied into its static buffer unless it is that tensor.
+            for static, given in zip(static_input_surface, inputs):
+                if static.data_ptr() != given.data_ptr():
+                    static.copy_(given)
+            return static_input_surface[0] * 3
+
+        def opaque_forward(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            return inputs[0] * 3
+
         class Graphed(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, *args: Any) -> torch.Tensor:  # type: ignore[override]
-                return args[-1] * 3
+            forward = staticmethod(read if closes_over_inputs else opaque_forward)
 
             backward = staticmethod(once_differentiable(body if closes_over_buffers else opaque))
 
         if leading:
 
-            def forward(ctx: Any, graphs: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            def read_after_graphs(ctx: Any, graphs: Any, *inputs: torch.Tensor) -> torch.Tensor:
+                for static, given in zip(static_input_surface, inputs):
+                    if static.data_ptr() != given.data_ptr():
+                        static.copy_(given)
+                return static_input_surface[0] * 3
+
+            def opaque_after_graphs(ctx: Any, graphs: Any, *inputs: torch.Tensor) -> torch.Tensor:
                 return inputs[0] * 3
 
-            Graphed.forward = staticmethod(forward)  # type: ignore[method-assign,assignment]
+            Graphed.forward = staticmethod(  # type: ignore[method-assign,assignment]
+                read_after_graphs if closes_over_inputs else opaque_after_graphs
+            )
             graphs = (None, bwd_graph)
 
             def functionalized(*user_args: Any) -> Any:
@@ -101,12 +119,14 @@ def test_recognised_shapes_are_accepted_and_work(
         (dict(leading=True, extra_slot=True), "returns 3 gradient slots, expected 1 .* plus 1"),
         (dict(leading=True, leading_grad=True), "leading non-tensor argument"),
         (dict(closes_over_buffers=False), "does not close over static_grad_outputs"),
+        (dict(closes_over_inputs=False), "does not close over a static_input_surface"),
     ],
     ids=[
         "extra slot",
         "extra slot after leading None",
         "gradient for the graphs tuple",
         "opaque backward",
+        "opaque forward",
     ],
 )
 def test_altered_structure_fails_when_made(

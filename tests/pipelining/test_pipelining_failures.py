@@ -155,6 +155,78 @@ def test_freed_saved_tensors_detected_before_any_gradient_or_hook() -> None:
     assert handoff.state is HandoffState.FAILED
 
 
+class _TwoBranches(nn.Module):
+    """``a(x) + c(x)``: the sum's backward hands the one output gradient to both Linear nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.hook: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a(x)
+        if self.hook is not None:
+            a.register_hook(self.hook)
+        return a + self.c(x)
+
+
+def _w_refused(model: nn.Module, handoff: WeightGradHandoff, match: str) -> None:
+    before = _grads(model)
+    rec = Recorder(model)
+    with pytest.raises(SplitBackwardError, match=match):
+        stage_backward_weight(model.parameters(), handoff)
+    assert rec.events == [] and _unchanged(model, before)
+    assert handoff.state is HandoffState.FAILED
+
+
+def test_a_gradient_a_later_hook_modified_in_place_is_refused_before_w_changes_anything() -> None:
+    # c's node received the gradient first; the hook on `a` then doubles that same
+    # tensor in place. A fused backward computed c's weight gradient before the
+    # change; W would read the doubled values (c's gradients 2x, silently).
+    model = _TwoBranches()
+    model.hook = lambda g: g.mul_(2)
+    x = torch.randn(3, 4, requires_grad=True)
+    _, handoff = stage_backward_input([model(x)], [torch.ones(3, 4)], [x], model.parameters())
+    _w_refused(model, handoff, "arrived at AddmmBackward0 in B.*modified in place")
+
+
+def test_an_output_gradient_the_caller_reuses_before_w_is_refused() -> None:
+    model = _TwoBranches()
+    x = torch.randn(3, 4, requires_grad=True)
+    buffer = torch.ones(3, 4)
+    _, handoff = stage_backward_input([model(x)], [buffer], [x], model.parameters())
+    buffer.zero_()  # the next microbatch's gradient received into the same buffer
+    _w_refused(model, handoff, "reused a gradient buffer")
+
+
+def test_an_input_gradient_b_returned_modified_before_w_is_refused() -> None:
+    # x + c(z): the sum hands the output gradient itself to x (B returns it as dx)
+    # and to c's node (W reads it).
+    torch.manual_seed(0)
+    c = nn.Linear(4, 4)
+    x, z = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    (dx, _), handoff = stage_backward_input([x + c(z)], [torch.ones(3, 4)], [x, z], c.parameters())
+    dx.mul_(5)  # e.g. the previous stage's hook modifying what it receives
+    _w_refused(c, handoff, "modified in place")
+
+
+@pytest.mark.parametrize("changed", ["stage input", "weight"])
+def test_a_saved_tensor_modified_between_b_and_w_is_named_as_such_not_as_freed(
+    changed: str,
+) -> None:
+    model = _model()
+    x = torch.randn(3, 4, requires_grad=True)
+    _, handoff = stage_backward_input([model(x)], [torch.ones(3, 4)], [x], model.parameters())
+    with torch.no_grad():
+        (x if changed == "stage input" else model[2].weight).mul_(2)
+    before = _grads(model)
+    with pytest.raises(SplitBackwardError, match="modified in place after B and before W") as info:
+        stage_backward_weight(model.parameters(), handoff)
+    assert "freed" not in str(info.value) and "limit of gradsafe" not in str(info.value)
+    assert _unchanged(model, before)
+
+
 def test_weight_only_subgraph_shared_by_two_microbatches() -> None:
     """W frees nothing itself, so a weight-only part shared across microbatches stays exact."""
     torch.manual_seed(0)

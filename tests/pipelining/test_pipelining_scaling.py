@@ -127,3 +127,25 @@ def test_a_stage_never_registered_is_divided_as_torch_does_after_the_registered_
     del first, last
     gc.collect()
     assert shared.divide_now(table, Stage(nn.ParameterList([table])))
+
+
+def test_a_stage_reused_where_its_weight_is_no_longer_shared_divides_it_when_it_asks() -> None:
+    # A schedule over [first, tied] records the table as shared; a rebuilt one
+    # over [first, untied] (the old stages still alive) must not leave `first`
+    # waiting for `tied`, which it never runs: the table would not be divided
+    # (n_microbatches x too large; 0.702 max abs error in a real step, 4 microbatches).
+    from gradsafe.pipelining._scaling import SharedParameters
+
+    class Stage:
+        def __init__(self, submod: nn.Module) -> None:
+            self.submod = submod
+
+    table, own = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    shared = SharedParameters()
+    first, tied = Stage(nn.ParameterList([table])), Stage(nn.ParameterList([table]))
+    untied = Stage(nn.ParameterList([own]))
+    shared.register([first, tied])
+    shared.register([first, untied])
+    assert shared.divide_now(table, first)
+    assert shared.divide_now(own, untied)
+    assert tied is not None  # alive throughout
