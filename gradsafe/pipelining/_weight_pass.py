@@ -214,14 +214,19 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
 class _Anchor:
     """What W's helper nodes hang from: a leaf no gradient reaches, and the one their roots get.
 
-    One per W, shared by its passes (each engine call runs after the previous ended).
+    One per process (:data:`_ANCHOR`), shared by every W on every thread: no
+    pass accumulates into the leaf (W's host pass captures at it, its
+    delivery helper sends it None) and nothing writes to ``one``, so
+    concurrent passes cannot meet there; making two tensors per W cost more
+    than the rest of W's setup. On the CPU, so that the helper nodes, and
+    the direct calls they host, run on the thread calling W.
     """
 
     __slots__ = ("leaf", "one")
 
     def __init__(self) -> None:
-        self.leaf = torch.zeros((), requires_grad=True)
-        self.one = torch.ones(())
+        self.leaf = torch.zeros((), dtype=torch.float32, device="cpu", requires_grad=True)
+        self.one = torch.ones((), dtype=torch.float32, device="cpu")
 
     def view(self) -> torch.Tensor:
         """A tensor whose ``grad_fn`` is a built-in view node with one next edge, leading to the leaf."""
@@ -231,6 +236,10 @@ class _Anchor:
         # W under torch.inference_mode(): the helper still needs a graph.
         with torch.inference_mode(False), torch.enable_grad():
             return self.leaf.clone().view_as(self.leaf)
+
+
+with torch.inference_mode(False):  # an import under inference_mode must not make inference tensors
+    _ANCHOR = _Anchor()
 
 
 def _call_intermediates(
@@ -318,7 +327,7 @@ def leaf_grads(
             weight_nodes,
             leaves,
             None,
-            _Anchor(),
+            _ANCHOR,
         )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
@@ -445,7 +454,7 @@ def deliver_as_ready(
             edges_of.setdefault(component[node], []).append((node, nr))
 
     deferred: list[Node] = []
-    anchor = _Anchor()
+    anchor = _ANCHOR
 
     def deliver(ready: Sequence[Node]) -> None:
         roots: list[torch.Tensor | GradientEdge] = []
