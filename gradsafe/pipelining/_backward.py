@@ -38,6 +38,7 @@ from gradsafe.pipelining._refusals import (
 )
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import (
+    captured_grads,
     is_python_node,
     is_view,
     leaf_variable,
@@ -266,12 +267,11 @@ def _run_b(
                 if group is None and not k_leaves
                 else _b_context(group, [graph.leaves[n] for n in k_leaves])
             ):
-                grads = torch.autograd.grad(
-                    [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
-                    [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],  # type: ignore[operator, misc]
+                # The graph is retained: W still needs the intermediates' saved tensors.
+                grads = captured_grads(
+                    [r.edge if r.tensor is None else r.tensor for r in b_roots],
+                    [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],
                     [r.grad for r in b_roots],
-                    retain_graph=True,  # W still needs the saved tensors of the intermediates
-                    allow_unused=True,
                 )
             refuse_post_hooks_added_in_b(handles)
             for (i, _), grad in zip(inputs, grads):

@@ -14,7 +14,10 @@ and :func:`missing_feature` reports it before the patch is applied:
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
 - ``Variable._execution_engine.run_backward``: the engine's entry point,
-  called directly for each component W delivers;
+  called directly for each component W delivers; and
+  ``torch.autograd.graph._engine_run_backward``, what ``autograd.grad`` ends
+  in, called by B directly where ``autograd.grad``'s argument handling would
+  change nothing (:func:`captured_grads`);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
   ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
@@ -95,6 +98,7 @@ __all__ = [
     "storages_of",
     "EngineError",
     "call_node",
+    "captured_grads",
     "crashes_weight_only",
     "backwards_spare",
     "deferred_callbacks",
@@ -690,6 +694,55 @@ def run_backward(
     torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
         tuple(roots), tuple(grads), True, False, tuple(wanted), True, not wanted
     )
+
+
+def captured_grads(
+    roots: Sequence[torch.Tensor | GradientEdge],
+    inputs: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)``.
+
+    Where ``autograd.grad``'s Python argument handling would pass everything
+    through unchanged (every root a tensor, not nested, its gradient a
+    non-nested tensor of the same shape and complexness; no
+    ``__torch_function__`` override on roots or inputs), the same engine
+    entry it ends in is called directly: on a small stage that handling cost
+    a tenth of B. Anything else goes through ``autograd.grad`` itself, with
+    its overrides, checks and error messages.
+    """
+    direct = _ENGINE_RUN_BACKWARD is not None and len(inputs) > 0
+    tensors: list[torch.Tensor] = []
+    if direct:
+        for root, grad in zip(roots, grads):
+            if (
+                not isinstance(root, torch.Tensor)
+                or not isinstance(grad, torch.Tensor)
+                or root.is_nested
+                or grad.is_nested
+                or root.shape != grad.shape
+                or root.dtype.is_complex != grad.dtype.is_complex
+            ):
+                direct = False
+                break
+            tensors.append(root)
+        tensors += [i for i in inputs if isinstance(i, torch.Tensor)]
+    if not direct or torch.overrides.has_torch_function(tensors):
+        return torch.autograd.grad(
+            roots,  # type: ignore[arg-type]
+            inputs,  # type: ignore[arg-type]
+            grads,
+            retain_graph=True,
+            allow_unused=True,
+        )
+    # Looked up at each call, as autograd.grad does (a profiler may wrap it).
+    return torch.autograd.graph._engine_run_backward(  # type: ignore[no-any-return]
+        tuple(roots), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False
+    )
+
+
+# None on a torch without it: then B always goes through autograd.grad.
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def donates_buffers(node: Node) -> bool:
