@@ -458,7 +458,8 @@ def section_own(reps: int) -> None:
             # would make, and the engine calls that deliver (those without `wanted`;
             # the one with it only hosts the node calls).
             with (
-                _Timed(torch.autograd, "grad") as b_engine,
+                # B's engine entry (autograd.grad's too, where B goes through it).
+                _Timed(torch.autograd.graph, "_engine_run_backward") as b_engine,
                 _Timed(_weight_pass, "call_node") as nodes,
                 _Timed(torch.Tensor, "sum_to_size") as reduce,
                 _Timed(_weight_pass, "run_backward", lambda *a: len(a) < 3) as deliver,
