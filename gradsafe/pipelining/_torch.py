@@ -19,6 +19,10 @@ and :func:`missing_feature` reports it before the patch is applied:
   in, called by B directly where ``autograd.grad``'s argument handling would
   change nothing (:func:`captured_grads`);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
+  its C ``apply`` is what ``Function.apply``'s Python wrapper (before 2.14)
+  ends in, called directly where the wrapper would change nothing
+  (:func:`apply_function`, with ``torch._C._are_functorch_transforms_active``
+  and ``torch._C._functorch.is_functorch_wrapped_tensor``);
   ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
 - ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
 - ``Tensor._is_view``: views cannot be detached in place;
@@ -97,6 +101,7 @@ __all__ = [
     "storage_key",
     "storages_of",
     "EngineError",
+    "apply_function",
     "call_node",
     "captured_grads",
     "crashes_weight_only",
@@ -739,6 +744,48 @@ def captured_grads(
     return torch.autograd.graph._engine_run_backward(  # type: ignore[no-any-return]
         tuple(roots), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False
     )
+
+
+def apply_function(cls: type[torch.autograd.Function], *args: Any) -> Any:
+    """``cls.apply(*args)``, for a gradsafe Function that defines no ``setup_context``.
+
+    Before 2.14 ``Function.apply`` is a Python wrapper that, with no functorch
+    transform active, only unwraps dead functorch wrappers (tensors that
+    escaped a finished transform) in ``args`` before the C ``apply``: a
+    pytree walk that cost W's delivery helper more than the node itself
+    (50 us over 24 parameters). Where no transform is active and ``args``
+    (and the lists and tuples in them) hold no functorch-wrapped tensor, the
+    C ``apply`` is called directly; otherwise, and on torches whose
+    ``Function.apply`` is the C one already, ``cls.apply``.
+    """
+    if (
+        _C_APPLY is None
+        or torch.autograd.function._is_setup_context_defined(cls.setup_context)
+        or torch._C._are_functorch_transforms_active()
+        or _has_wrapped(args)
+    ):
+        return cls.apply(*args)
+    return _C_APPLY.__get__(None, cls)(*args)
+
+
+def _has_wrapped(args: Sequence[Any]) -> bool:
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for arg in args:
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(item, torch.Tensor):
+                if wrapped(item):
+                    return True
+            elif item is not None and not callable(item):
+                return True  # anything else: leave it to the wrapper
+    return False
+
+
+# The C apply where Function.apply is a Python wrapper around it (None where it is the C one).
+_C_APPLY: Any = (
+    torch._C._FunctionBase.__dict__.get("apply")
+    if isinstance(torch.autograd.Function.__dict__.get("apply"), classmethod)
+    else None
+)
 
 
 # None on a torch without it: then B always goes through autograd.grad.

@@ -33,6 +33,7 @@ them (for callers that copy gradients into buffers of their own).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -42,6 +43,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
+    apply_function,
     call_node,
     deferred_callbacks,
     grad_target,
@@ -212,30 +214,49 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
 
 
 class _Anchor:
-    """What W's helper nodes hang from: a leaf no gradient reaches, and the one their roots get.
+    """What W's helper nodes hang from: a leaf no gradient reaches, the one their roots get,
+    and the node that hosts W's direct calls.
 
     One per process (:data:`_ANCHOR`), shared by every W on every thread: no
-    pass accumulates into the leaf (W's host pass captures at it, its
+    pass accumulates into the leaf (the host pass captures at it, the
     delivery helper sends it None) and nothing writes to ``one``, so
-    concurrent passes cannot meet there; making two tensors per W cost more
-    than the rest of W's setup. On the CPU, so that the helper nodes, and
-    the direct calls they host, run on the thread calling W.
+    concurrent passes cannot meet there; making these per W cost more than
+    the rest of W's setup. On the CPU, so that the helper nodes, and the
+    direct calls they host, run on the thread calling W.
     """
 
-    __slots__ = ("leaf", "one")
+    __slots__ = ("_host", "_host_edge", "_work", "leaf", "one")
 
     def __init__(self) -> None:
         self.leaf = torch.zeros((), dtype=torch.float32, device="cpu", requires_grad=True)
         self.one = torch.ones((), dtype=torch.float32, device="cpu")
+        # The host: a built-in view node with one next edge (the leaf's
+        # accumulator), whose one pre-hook runs, inside the engine task, the
+        # work the calling thread put on its stack (a nested W on the same
+        # thread pushes its own).
+        with torch.enable_grad():
+            self._host = self.leaf.view_as(self.leaf)
+        node = self._host.grad_fn
+        if node is None:
+            raise RuntimeError("autograd recorded no node for a view made with grad enabled")
+        self._host_edge = GradientEdge(*node.next_functions[0])
+        self._work = threading.local()
+        node.register_prehook(self._run_work)
 
-    def view(self) -> torch.Tensor:
-        """A tensor whose ``grad_fn`` is a built-in view node with one next edge, leading to the leaf."""
-        if not torch.is_inference_mode_enabled():
-            with torch.enable_grad():
-                return self.leaf.view_as(self.leaf)
-        # W under torch.inference_mode(): the helper still needs a graph.
-        with torch.inference_mode(False), torch.enable_grad():
-            return self.leaf.clone().view_as(self.leaf)
+    def _run_work(self, grad_outputs: object) -> None:
+        self._work.stack[-1]()
+
+    def host(self, work: Callable[[], None], wanted: Sequence[GradientEdge]) -> None:
+        """One engine pass that runs ``work`` inside its task, where ``wanted`` are the needed nodes."""
+        stack = getattr(self._work, "stack", None)
+        if stack is None:
+            stack = self._work.stack = []
+        stack.append(work)
+        try:
+            # The leaf's accumulator, the host's one next edge, makes the host needed.
+            run_backward([self._host], [self.one], [self._host_edge, *wanted])
+        finally:
+            stack.pop()
 
 
 with torch.inference_mode(False):  # an import under inference_mode must not make inference tensors
@@ -248,7 +269,6 @@ def _call_intermediates(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     after_call: Callable[[int], None] | None,
-    anchor: _Anchor,
 ) -> None:
     """Call every recorded intermediate once, in B's order, passing what it sends to ``add``.
 
@@ -285,18 +305,12 @@ def _call_intermediates(
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
-    # The helper node, a view of the anchor, runs `work` from a pre-hook:
-    # inside the engine task, before the helper itself runs (a built-in
-    # node and a hook cost less per W than a custom Function).
-    scope = anchor.view()
-    helper = scope.grad_fn
-    helper.register_prehook(lambda grad_outputs: work())  # type: ignore[union-attr]
-    # `inputs=` puts every weight-side node into the task's execution info
-    # (the anchor makes the helper node itself needed); input-side nodes
-    # are not in it, so the direct calls skip the outputs that go there.
-    wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
-    # The anchor's accumulator, the helper's one next edge, makes the helper needed.
-    run_backward([scope], [anchor.one], [GradientEdge(*helper.next_functions[0]), *wanted])  # type: ignore[union-attr]
+    # The host node runs `work` from a pre-hook, inside the engine task (a
+    # built-in node and a hook cost less per W than a custom Function).
+    # `inputs=` puts every weight-side node into the task's execution info;
+    # input-side nodes are not in it, so the direct calls skip the outputs
+    # that go there.
+    _ANCHOR.host(work, [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)])
     if failure:
         raise failure[0]
 
@@ -327,7 +341,6 @@ def leaf_grads(
             weight_nodes,
             leaves,
             None,
-            _ANCHOR,
         )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
@@ -488,7 +501,9 @@ def deliver_as_ready(
             # `.grad` (a copy, and a second gradient's worth of memory).
             with torch.enable_grad():
                 roots.append(
-                    _Deliver.apply(anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now))
+                    apply_function(
+                        _Deliver, anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now)
+                    )
                 )
             grads.append(anchor.one)
         del to_leaves
@@ -532,10 +547,10 @@ def deliver_as_ready(
         if first:
             deliver_or_defer(first)
         if recorded:
-            _call_intermediates(recorded, add, weight_nodes, leaves, after_call, anchor)
+            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
         if deferred:
             deliver(deferred)
     if held:
         with torch.enable_grad():
-            root = _Deliver.apply(anchor.leaf, [], held)
+            root = apply_function(_Deliver, anchor.leaf, [], held)
         run_backward([root], [anchor.one])

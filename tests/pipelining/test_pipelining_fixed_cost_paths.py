@@ -112,3 +112,37 @@ def test_w_with_another_default_dtype_and_device_keeps_the_anchor_as_made(fp64: 
     assert torch.equal(stage.weight.grad, torch.ones(2, 4, dtype=torch.float64) @ x.detach())
     assert _ANCHOR.leaf.dtype == torch.float32 and _ANCHOR.leaf.device.type == "cpu"
     assert _ANCHOR.leaf.grad is None
+
+
+class _WithSetupContext(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        _WithSetupContext.calls += 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def test_apply_function_leaves_a_function_with_setup_context_to_its_apply() -> None:
+    # Function.apply binds default arguments for those: the C apply alone would not.
+    from gradsafe.pipelining._torch import apply_function
+
+    x = torch.ones(2, requires_grad=True)
+    _WithSetupContext.calls = 0
+    y = apply_function(_WithSetupContext, x)
+    assert _WithSetupContext.calls == 1 and type(y.grad_fn).__name__ == "_WithSetupContextBackward"
+
+
+def test_apply_function_leaves_functorch_transforms_to_function_apply() -> None:
+    from gradsafe.pipelining._torch import apply_function
+
+    # Inside a transform the C apply would skip functorch's custom_function_call.
+    out = torch.func.grad(lambda t: apply_function(_WithSetupContext, t).sum())(torch.ones(2))
+    assert torch.equal(out, torch.ones(2))
