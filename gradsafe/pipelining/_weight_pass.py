@@ -239,7 +239,7 @@ class _Anchor:
         node = self._host.grad_fn
         if node is None:
             raise RuntimeError("autograd recorded no node for a view made with grad enabled")
-        self._host_edge = GradientEdge(*node.next_functions[0])
+        self._host_edge = GradientEdge(*node.next_functions[0])  # type: ignore[arg-type]
         self._work = threading.local()
         node.register_prehook(self._run_work)
 
