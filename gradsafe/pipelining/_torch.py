@@ -24,7 +24,8 @@ and :func:`missing_feature` reports it before the patch is applied:
   (:func:`apply_function`, with ``torch._C._are_functorch_transforms_active``
   and ``torch._C._functorch.is_functorch_wrapped_tensor``);
   ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
-- ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
+- ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to
+  (``torch._C._functions.AccumulateGrad``: the accumulators' class);
 - ``Tensor._is_view``: views cannot be detached in place;
 - ``SavedTensor.unpack_hook`` (via a node's ``_raw_saved_*``): whether a
   built-in node's saved tensors come back through saved-tensor hooks
@@ -202,11 +203,19 @@ def grad_target(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype | No
     its ``grad_dtype`` is what the engine casts to, which the node's input
     metadata (always the parameter's dtype) does not show.
     """
-    shape, dtype, _ = input_meta(node, input_nr)
-    leaf = leaf_variable(node)
-    if leaf is not None and hasattr(leaf, "grad_dtype"):
-        return shape, leaf.grad_dtype
-    return shape, dtype
+    # Read once per edge of every W: no device, and the accumulator told by
+    # its class (a getattr that misses costs more than the rest).
+    meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
+    shape = torch.Size(meta.shape)
+    if type(node) is _ACCUMULATE_GRAD:
+        leaf = node.variable  # type: ignore[attr-defined]
+        if hasattr(leaf, "grad_dtype"):
+            return shape, leaf.grad_dtype
+    return shape, meta.dtype
+
+
+# The class of every gradient accumulator node (AccumulateGrad, bound from C++).
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def version(tensor: torch.Tensor) -> int:
