@@ -238,9 +238,11 @@ def has_hooked_saved(node: Node) -> bool:
     """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
     for name in _saved_names(type(node)):
         saved = getattr(node, name)
-        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-            if getattr(item, "unpack_hook", None) is not None:
+        if isinstance(saved, (list, tuple)):
+            if any(getattr(item, "unpack_hook", None) is not None for item in saved):
                 return True
+        elif getattr(saved, "unpack_hook", None) is not None:
+            return True
     return False
 
 
