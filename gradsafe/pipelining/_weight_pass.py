@@ -415,7 +415,7 @@ def _components(
     for node in leaves:
         parent[node] = node
     for node in weight_nodes:
-        find(node)
+        parent.setdefault(node, node)
         for child, _ in node.next_functions:
             if child is not None:
                 union(node, child)
@@ -427,7 +427,8 @@ def _components(
             other = by_cell.setdefault(cell, node)
             if other is not node:
                 union(other, node)
-    return {node: find(node) for node in parent}
+    # Most nodes point at their root already: find() only for the others.
+    return {node: up if parent[up] is up else find(node) for node, up in tuple(parent.items())}
 
 
 def deliver_as_ready(
