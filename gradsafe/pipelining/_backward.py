@@ -217,7 +217,7 @@ def _records_for_w(
     recorded = []
     for item in graph.intermediates:
         grads, versions = captured.get(item.node, ((), ()))
-        if item not in in_b and any(g is not None for g in grads):
+        if item not in in_b and _any_grad(grads):
             recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
     return _WRecords(
         recorded=recorded,
@@ -228,6 +228,14 @@ def _records_for_w(
             if i not in k_outputs
         ],
     )
+
+
+def _any_grad(grads: Sequence[torch.Tensor | None]) -> bool:
+    # A loop, not any() over a generator: once per intermediate of every B.
+    for grad in grads:
+        if grad is not None:
+            return True
+    return False
 
 
 def _run_b(
@@ -302,7 +310,7 @@ def _detach_outputs(
     """Detach the stage outputs B can; returns (views keeping W's custom nodes alive, outputs W detaches)."""
     tensors = [r.tensor for r in roots if r.tensor is not None]
     keep: list[torch.Tensor] = []
-    if any(is_python_node(n) for n in w_nodes):
+    if any(map(is_python_node, w_nodes)):
         # A custom Function's node is kept alive only by its C++ parents, and
         # the outputs may be detached before W: a view of each output is a C++
         # node that owns the graph until W ends.

@@ -198,10 +198,17 @@ def add_grad(
 def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
     if grad is None or not others:
         return False
-    if any(grad is other for other in others):
-        return True
+    # Loops, not any() over generators: this runs for every edge of every W.
+    for other in others:
+        if grad is other:
+            return True
     pointer = _storage_pointer(grad)
-    return pointer is not None and any(_storage_pointer(other) == pointer for other in others)
+    if pointer is None:
+        return False
+    for other in others:
+        if _storage_pointer(other) == pointer:
+            return True
+    return False
 
 
 def _storage_pointer(tensor: torch.Tensor) -> int | None:
@@ -519,10 +526,12 @@ def deliver_as_ready(
         # holding it until the end costs no memory, and one engine backward
         # for all such components costs less than one each. One added into a
         # `.grad` already held is a second buffer: delivered at once.
-        if any(leaf_of[leaf].grad is not None for c in ready for leaf in members[c]):
-            deliver(ready)
-        else:
-            deferred.extend(ready)
+        for c in ready:  # loops, not any() over a generator: once per intermediate
+            for leaf in members[c]:
+                if leaf_of[leaf].grad is not None:
+                    deliver(ready)
+                    return
+        deferred.extend(ready)
 
     def after_call(index: int) -> None:
         ready = []
