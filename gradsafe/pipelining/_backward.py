@@ -38,6 +38,7 @@ from gradsafe.pipelining._refusals import (
 )
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import (
+    captured_grads,
     is_python_node,
     is_view,
     leaf_variable,
@@ -216,7 +217,7 @@ def _records_for_w(
     recorded = []
     for item in graph.intermediates:
         grads, versions = captured.get(item.node, ((), ()))
-        if item not in in_b and any(g is not None for g in grads):
+        if item not in in_b and _any_grad(grads):
             recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
     return _WRecords(
         recorded=recorded,
@@ -227,6 +228,14 @@ def _records_for_w(
             if i not in k_outputs
         ],
     )
+
+
+def _any_grad(grads: Sequence[torch.Tensor | None]) -> bool:
+    # A loop, not any() over a generator: once per intermediate of every B.
+    for grad in grads:
+        if grad is not None:
+            return True
+    return False
 
 
 def _run_b(
@@ -266,12 +275,11 @@ def _run_b(
                 if group is None and not k_leaves
                 else _b_context(group, [graph.leaves[n] for n in k_leaves])
             ):
-                grads = torch.autograd.grad(
-                    [r.edge if r.tensor is None else r.tensor for r in b_roots],  # type: ignore[arg-type]
-                    [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],  # type: ignore[operator, misc]
+                # The graph is retained: W still needs the intermediates' saved tensors.
+                grads = captured_grads(
+                    [r.edge if r.tensor is None else r.tensor for r in b_roots],
+                    [t for _, t in inputs] + [GradientEdge(n, 0) for n in k_leaves],
                     [r.grad for r in b_roots],
-                    retain_graph=True,  # W still needs the saved tensors of the intermediates
-                    allow_unused=True,
                 )
             refuse_post_hooks_added_in_b(handles)
             for (i, _), grad in zip(inputs, grads):
@@ -302,7 +310,7 @@ def _detach_outputs(
     """Detach the stage outputs B can; returns (views keeping W's custom nodes alive, outputs W detaches)."""
     tensors = [r.tensor for r in roots if r.tensor is not None]
     keep: list[torch.Tensor] = []
-    if any(is_python_node(n) for n in w_nodes):
+    if any(map(is_python_node, w_nodes)):
         # A custom Function's node is kept alive only by its C++ parents, and
         # the outputs may be detached before W: a view of each output is a C++
         # node that owns the graph until W ends.

@@ -14,10 +14,18 @@ and :func:`missing_feature` reports it before the patch is applied:
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
   tensors one registration spans);
 - ``Variable._execution_engine.run_backward``: the engine's entry point,
-  called directly for each component W delivers;
+  called directly for each component W delivers; and
+  ``torch.autograd.graph._engine_run_backward``, what ``autograd.grad`` ends
+  in, called by B directly where ``autograd.grad``'s argument handling would
+  change nothing (:func:`captured_grads`);
 - ``torch._C._FunctionBase``: tells custom-Function nodes from built-in ones;
+  its C ``apply`` is what ``Function.apply``'s Python wrapper (before 2.14)
+  ends in, called directly where the wrapper would change nothing
+  (:func:`apply_function`, with ``torch._C._are_functorch_transforms_active``
+  and ``torch._C._functorch.is_functorch_wrapped_tensor``);
   ``Node.name()`` tells C++ custom Functions (``CppNode<...>``) and ``CopySlices``;
-- ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to;
+- ``AccumulateGrad.variable``: the leaf a gradient accumulator writes to
+  (``torch._C._functions.AccumulateGrad``: the accumulators' class);
 - ``Tensor._is_view``: views cannot be detached in place;
 - ``SavedTensor.unpack_hook`` (via a node's ``_raw_saved_*``): whether a
   built-in node's saved tensors come back through saved-tensor hooks
@@ -94,7 +102,9 @@ __all__ = [
     "storage_key",
     "storages_of",
     "EngineError",
+    "apply_function",
     "call_node",
+    "captured_grads",
     "crashes_weight_only",
     "backwards_spare",
     "deferred_callbacks",
@@ -193,11 +203,19 @@ def grad_target(node: Node, input_nr: int) -> tuple[torch.Size, torch.dtype | No
     its ``grad_dtype`` is what the engine casts to, which the node's input
     metadata (always the parameter's dtype) does not show.
     """
-    shape, dtype, _ = input_meta(node, input_nr)
-    leaf = leaf_variable(node)
-    if leaf is not None and hasattr(leaf, "grad_dtype"):
-        return shape, leaf.grad_dtype
-    return shape, dtype
+    # Read once per edge of every W: no device, and the accumulator told by
+    # its class (a getattr that misses costs more than the rest).
+    meta = node._input_metadata[input_nr]  # type: ignore[attr-defined]
+    shape = torch.Size(meta.shape)
+    if type(node) is _ACCUMULATE_GRAD:
+        leaf = node.variable  # type: ignore[attr-defined]
+        if hasattr(leaf, "grad_dtype"):
+            return shape, leaf.grad_dtype
+    return shape, meta.dtype
+
+
+# The class of every gradient accumulator node (AccumulateGrad, bound from C++).
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def version(tensor: torch.Tensor) -> int:
@@ -220,9 +238,11 @@ def has_hooked_saved(node: Node) -> bool:
     """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
     for name in _saved_names(type(node)):
         saved = getattr(node, name)
-        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-            if getattr(item, "unpack_hook", None) is not None:
+        if isinstance(saved, (list, tuple)):
+            if any(getattr(item, "unpack_hook", None) is not None for item in saved):
                 return True
+        elif getattr(saved, "unpack_hook", None) is not None:
+            return True
     return False
 
 
@@ -690,6 +710,97 @@ def run_backward(
     torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
         tuple(roots), tuple(grads), True, False, tuple(wanted), True, not wanted
     )
+
+
+def captured_grads(
+    roots: Sequence[torch.Tensor | GradientEdge],
+    inputs: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)``.
+
+    Where ``autograd.grad``'s Python argument handling would pass everything
+    through unchanged (every root a tensor, not nested, its gradient a
+    non-nested tensor of the same shape and complexness; no
+    ``__torch_function__`` override on roots or inputs), the same engine
+    entry it ends in is called directly: on a small stage that handling cost
+    a tenth of B. Anything else goes through ``autograd.grad`` itself, with
+    its overrides, checks and error messages.
+    """
+    direct = _ENGINE_RUN_BACKWARD is not None and len(inputs) > 0
+    tensors: list[torch.Tensor] = []
+    if direct:
+        for root, grad in zip(roots, grads):
+            if (
+                not isinstance(root, torch.Tensor)
+                or not isinstance(grad, torch.Tensor)
+                or root.is_nested
+                or grad.is_nested
+                or root.shape != grad.shape
+                or root.dtype.is_complex != grad.dtype.is_complex
+            ):
+                direct = False
+                break
+            tensors.append(root)
+        tensors += [i for i in inputs if isinstance(i, torch.Tensor)]
+    if not direct or torch.overrides.has_torch_function(tensors):
+        return torch.autograd.grad(
+            roots,  # type: ignore[arg-type]
+            inputs,  # type: ignore[arg-type]
+            grads,
+            retain_graph=True,
+            allow_unused=True,
+        )
+    # Looked up at each call, as autograd.grad does (a profiler may wrap it).
+    return torch.autograd.graph._engine_run_backward(  # type: ignore[no-any-return]
+        tuple(roots), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False
+    )
+
+
+def apply_function(cls: type[torch.autograd.Function], *args: Any) -> Any:
+    """``cls.apply(*args)``, for a gradsafe Function that defines no ``setup_context``.
+
+    Before 2.14 ``Function.apply`` is a Python wrapper that, with no functorch
+    transform active, only unwraps dead functorch wrappers (tensors that
+    escaped a finished transform) in ``args`` before the C ``apply``: a
+    pytree walk that cost W's delivery helper more than the node itself
+    (50 us over 24 parameters). Where no transform is active and ``args``
+    (and the lists and tuples in them) hold no functorch-wrapped tensor, the
+    C ``apply`` is called directly; otherwise, and on torches whose
+    ``Function.apply`` is the C one already, ``cls.apply``.
+    """
+    if (
+        _C_APPLY is None
+        or torch.autograd.function._is_setup_context_defined(cls.setup_context)
+        or torch._C._are_functorch_transforms_active()
+        or _has_wrapped(args)
+    ):
+        return cls.apply(*args)
+    return _C_APPLY.__get__(None, cls)(*args)
+
+
+def _has_wrapped(args: Sequence[Any]) -> bool:
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for arg in args:
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(item, torch.Tensor):
+                if wrapped(item):
+                    return True
+            elif item is not None and not callable(item):
+                return True  # anything else: leave it to the wrapper
+    return False
+
+
+# The C apply where Function.apply is a Python wrapper around it (None where it is the C one).
+_C_APPLY: Any = (
+    torch._C._FunctionBase.__dict__.get("apply")
+    if isinstance(torch.autograd.Function.__dict__.get("apply"), classmethod)
+    else None
+)
+
+
+# None on a torch without it: then B always goes through autograd.grad.
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def donates_buffers(node: Node) -> bool:

@@ -33,6 +33,7 @@ them (for callers that copy gradients into buffers of their own).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -42,6 +43,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
+    apply_function,
     call_node,
     deferred_callbacks,
     grad_target,
@@ -196,10 +198,17 @@ def add_grad(
 def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
     if grad is None or not others:
         return False
-    if any(grad is other for other in others):
-        return True
+    # Loops, not any() over generators: this runs for every edge of every W.
+    for other in others:
+        if grad is other:
+            return True
     pointer = _storage_pointer(grad)
-    return pointer is not None and any(_storage_pointer(other) == pointer for other in others)
+    if pointer is None:
+        return False
+    for other in others:
+        if _storage_pointer(other) == pointer:
+            return True
+    return False
 
 
 def _storage_pointer(tensor: torch.Tensor) -> int | None:
@@ -212,25 +221,53 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
 
 
 class _Anchor:
-    """What W's helper nodes hang from: a leaf no gradient reaches, and the one their roots get.
+    """What W's helper nodes hang from: a leaf no gradient reaches, the one their roots get,
+    and the node that hosts W's direct calls.
 
-    One per W, shared by its passes (each engine call runs after the previous ended).
+    One per process (:data:`_ANCHOR`), shared by every W on every thread: no
+    pass accumulates into the leaf (the host pass captures at it, the
+    delivery helper sends it None) and nothing writes to ``one``, so
+    concurrent passes cannot meet there; making these per W cost more than
+    the rest of W's setup. On the CPU, so that the helper nodes, and the
+    direct calls they host, run on the thread calling W.
     """
 
-    __slots__ = ("leaf", "one")
+    __slots__ = ("_host", "_host_edge", "_work", "leaf", "one")
 
     def __init__(self) -> None:
-        self.leaf = torch.zeros((), requires_grad=True)
-        self.one = torch.ones(())
+        self.leaf = torch.zeros((), dtype=torch.float32, device="cpu", requires_grad=True)
+        self.one = torch.ones((), dtype=torch.float32, device="cpu")
+        # The host: a built-in view node with one next edge (the leaf's
+        # accumulator), whose one pre-hook runs, inside the engine task, the
+        # work the calling thread put on its stack (a nested W on the same
+        # thread pushes its own).
+        with torch.enable_grad():
+            self._host = self.leaf.view_as(self.leaf)
+        node = self._host.grad_fn
+        if node is None:
+            raise RuntimeError("autograd recorded no node for a view made with grad enabled")
+        self._host_edge = GradientEdge(*node.next_functions[0])  # type: ignore[arg-type]
+        self._work = threading.local()
+        node.register_prehook(self._run_work)
 
-    def view(self) -> torch.Tensor:
-        """A tensor whose ``grad_fn`` is a built-in view node with one next edge, leading to the leaf."""
-        if not torch.is_inference_mode_enabled():
-            with torch.enable_grad():
-                return self.leaf.view_as(self.leaf)
-        # W under torch.inference_mode(): the helper still needs a graph.
-        with torch.inference_mode(False), torch.enable_grad():
-            return self.leaf.clone().view_as(self.leaf)
+    def _run_work(self, grad_outputs: object) -> None:
+        self._work.stack[-1]()
+
+    def host(self, work: Callable[[], None], wanted: Sequence[GradientEdge]) -> None:
+        """One engine pass that runs ``work`` inside its task, where ``wanted`` are the needed nodes."""
+        stack = getattr(self._work, "stack", None)
+        if stack is None:
+            stack = self._work.stack = []
+        stack.append(work)
+        try:
+            # The leaf's accumulator, the host's one next edge, makes the host needed.
+            run_backward([self._host], [self.one], [self._host_edge, *wanted])
+        finally:
+            stack.pop()
+
+
+with torch.inference_mode(False):  # an import under inference_mode must not make inference tensors
+    _ANCHOR = _Anchor()
 
 
 def _call_intermediates(
@@ -239,7 +276,6 @@ def _call_intermediates(
     weight_nodes: Sequence[Node],
     leaves: Sequence[Node],
     after_call: Callable[[int], None] | None,
-    anchor: _Anchor,
 ) -> None:
     """Call every recorded intermediate once, in B's order, passing what it sends to ``add``.
 
@@ -276,18 +312,12 @@ def _call_intermediates(
         except BaseException as exc:  # re-raised outside the engine, type intact
             failure.append(exc)
 
-    # The helper node, a view of the anchor, runs `work` from a pre-hook:
-    # inside the engine task, before the helper itself runs (a built-in
-    # node and a hook cost less per W than a custom Function).
-    scope = anchor.view()
-    helper = scope.grad_fn
-    helper.register_prehook(lambda grad_outputs: work())  # type: ignore[union-attr]
-    # `inputs=` puts every weight-side node into the task's execution info
-    # (the anchor makes the helper node itself needed); input-side nodes
-    # are not in it, so the direct calls skip the outputs that go there.
-    wanted = [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)]
-    # The anchor's accumulator, the helper's one next edge, makes the helper needed.
-    run_backward([scope], [anchor.one], [GradientEdge(*helper.next_functions[0]), *wanted])  # type: ignore[union-attr]
+    # The host node runs `work` from a pre-hook, inside the engine task (a
+    # built-in node and a hook cost less per W than a custom Function).
+    # `inputs=` puts every weight-side node into the task's execution info;
+    # input-side nodes are not in it, so the direct calls skip the outputs
+    # that go there.
+    _ANCHOR.host(work, [GradientEdge(n, 0) for n in (*weight_nodes, *leaves)])
     if failure:
         raise failure[0]
 
@@ -318,7 +348,6 @@ def leaf_grads(
             weight_nodes,
             leaves,
             None,
-            _Anchor(),
         )
     totals = [sums.pop((leaf, 0), None) for leaf in leaves]
     if sums:
@@ -393,7 +422,7 @@ def _components(
     for node in leaves:
         parent[node] = node
     for node in weight_nodes:
-        find(node)
+        parent.setdefault(node, node)
         for child, _ in node.next_functions:
             if child is not None:
                 union(node, child)
@@ -405,7 +434,8 @@ def _components(
             other = by_cell.setdefault(cell, node)
             if other is not node:
                 union(other, node)
-    return {node: find(node) for node in parent}
+    # Most nodes point at their root already: find() only for the others.
+    return {node: up if parent[up] is up else find(node) for node, up in tuple(parent.items())}
 
 
 def deliver_as_ready(
@@ -445,7 +475,7 @@ def deliver_as_ready(
             edges_of.setdefault(component[node], []).append((node, nr))
 
     deferred: list[Node] = []
-    anchor = _Anchor()
+    anchor = _ANCHOR
 
     def deliver(ready: Sequence[Node]) -> None:
         roots: list[torch.Tensor | GradientEdge] = []
@@ -479,7 +509,9 @@ def deliver_as_ready(
             # `.grad` (a copy, and a second gradient's worth of memory).
             with torch.enable_grad():
                 roots.append(
-                    _Deliver.apply(anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now))
+                    apply_function(
+                        _Deliver, anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now)
+                    )
                 )
             grads.append(anchor.one)
         del to_leaves
@@ -494,10 +526,12 @@ def deliver_as_ready(
         # holding it until the end costs no memory, and one engine backward
         # for all such components costs less than one each. One added into a
         # `.grad` already held is a second buffer: delivered at once.
-        if any(leaf_of[leaf].grad is not None for c in ready for leaf in members[c]):
-            deliver(ready)
-        else:
-            deferred.extend(ready)
+        for c in ready:  # loops, not any() over a generator: once per intermediate
+            for leaf in members[c]:
+                if leaf_of[leaf].grad is not None:
+                    deliver(ready)
+                    return
+        deferred.extend(ready)
 
     def after_call(index: int) -> None:
         ready = []
@@ -523,10 +557,10 @@ def deliver_as_ready(
         if first:
             deliver_or_defer(first)
         if recorded:
-            _call_intermediates(recorded, add, weight_nodes, leaves, after_call, anchor)
+            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
         if deferred:
             deliver(deferred)
     if held:
         with torch.enable_grad():
-            root = _Deliver.apply(anchor.leaf, [], held)
+            root = apply_function(_Deliver, anchor.leaf, [], held)
         run_backward([root], [anchor.one])
