@@ -20,15 +20,13 @@ ranks get the same data, so the reduced gradients equal each rank's own.
 from __future__ import annotations
 
 import gc
-import os
 import sys
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from tests._rank_worker import run_rank
 
 MICROBATCHES = 3
 # (layers, dim, tokens per microbatch): weight gradients dominate, activations dominate.
@@ -161,28 +159,18 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
 
 def main() -> None:
     rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    torch.set_num_threads(1)
-    result: dict[str, Any] = {"points": {}, "grads": {}}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=60),
-        )
+
+    def body() -> dict[str, Any]:
+        result: dict[str, Any] = {"points": {}, "grads": {}}
         for wrapper in ("fsdp", "ddp"):
             for stage in STAGES:
                 for order in ORDERS:
                     for impl in ("torch", "gradsafe"):
                         case = (wrapper, stage, order, impl)
                         result["points"][case], result["grads"][case] = measure(*case)
-    except Exception as exc:  # report, don't hang the peer
-        result = {"crash": f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    if "crash" in result:
-        os._exit(1)
-    dist.destroy_process_group()
+        return result
+
+    run_rank(rank, port, outdir, body)
 
 
 if __name__ == "__main__":

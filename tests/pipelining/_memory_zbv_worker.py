@@ -16,15 +16,13 @@ each step (the returned losses kept) and the peak of both steps.
 from __future__ import annotations
 
 import gc
-import os
 import sys
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from tests._rank_worker import run_rank
 
 MICROBATCHES = 4
 STEPS = 2
@@ -95,25 +93,16 @@ def measure(rank: int, stage: str, impl: str) -> dict[str, int]:
 
 def main() -> None:
     rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    torch.set_num_threads(1)
-    result: dict[str, Any] = {"points": {}}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=60),
-        )
-        for stage in STAGES:
-            for impl in ("torch", "gradsafe"):
-                result["points"][(stage, impl)] = measure(rank, stage, impl)
-    except Exception as exc:  # report, don't hang the peer
-        result = {"crash": f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    if "crash" in result:
-        os._exit(1)
-    dist.destroy_process_group()
+
+    def body() -> dict[str, Any]:
+        points = {
+            (stage, impl): measure(rank, stage, impl)
+            for stage in STAGES
+            for impl in ("torch", "gradsafe")
+        }
+        return {"points": points}
+
+    run_rank(rank, port, outdir, body)
 
 
 if __name__ == "__main__":
