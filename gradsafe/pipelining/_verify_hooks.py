@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
 
-from gradsafe.pipelining._torch import _multi_grad_hook_codes as multi_grad_hook_codes
 from gradsafe.pipelining._torch import (
     is_python_node,
     module_backward_hook_dicts,
+    multi_grad_hook_codes,
     tensor_hook_dicts,
 )
 

@@ -1,0 +1,283 @@
+"""Hook dicts: silencing a leaf's or a module's gradient hooks, and reading what hooks are there.
+
+Private torch read here: ``Tensor._backward_hooks`` and
+``Tensor._post_accumulate_grad_hooks``, ``nn.Module``'s backward-hook dicts
+(per module and global), ``RemovableHandle.hooks_dict_ref`` (a node's Python
+post hooks), and the closures ``register_multi_grad_hook`` registers.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import sys
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "has_other_post_hooks",
+    "module_backward_hook_dicts",
+    "multi_grad_hook_cells",
+    "multi_grad_hook_codes",
+    "multi_grad_hook_spans",
+    "silenced_gradient_hooks",
+    "silenced_tensor_hooks",
+    "tensor_hook_dicts",
+]
+
+
+@contextlib.contextmanager
+def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Keep the leaves' tensor hooks from running while a gradient is captured at them.
+
+    ``autograd.grad`` runs a captured input's tensor hooks; B's capture is not
+    the leaf's gradient yet (W delivers it, and its hooks run then, once).
+    The engine reads a leaf's hooks from the dict installed as its
+    ``_backward_hooks`` (a snapshot of its values per call), so each leaf gets
+    an empty stand-in for the duration: nothing runs at the capture, even a
+    hook registered on the leaf meanwhile by another hook (``register_hook``
+    writes into the stand-in, which holds it aside). Afterwards the leaf's own
+    dict is back, with those hooks added, and the stand-in forwards their
+    handles' ``remove()`` there. A hook removed meanwhile from the leaf's own
+    dict stays removed.
+    """
+    installed: list[tuple[torch.Tensor, Any, _HeldHooks]] = []
+    try:
+        for leaf in leaves:
+            stand_in = _HeldHooks()
+            installed.append((leaf, leaf._backward_hooks, stand_in))
+            leaf._backward_hooks = stand_in
+        yield
+    finally:
+        for leaf, own, stand_in in installed:
+            if stand_in.held:
+                if own is None:
+                    own = collections.OrderedDict()
+                own.update(stand_in.held)
+                stand_in.home = own
+                _STAND_INS.setdefault(leaf, []).append(stand_in)  # their handles refer to it
+            leaf._backward_hooks = own
+
+
+class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
+    """A leaf's stand-in hook dict during a capture; see :func:`silenced_tensor_hooks`.
+
+    Its own storage (what the engine reads) stays empty; what ``register_hook``
+    and ``RemovableHandle.remove`` do goes to ``held``, then to ``home`` (the
+    leaf's own dict) once the capture is over.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.home: dict[Any, Any] | None = None
+
+    def _target(self) -> dict[Any, Any]:
+        return self.held if self.home is None else self.home
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._target()[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._target()
+
+    def __delitem__(self, key: Any) -> None:
+        del self._target()[key]
+
+
+# Stand-ins that held hooks, per leaf: those hooks' handles refer to them weakly.
+_STAND_INS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def silenced_gradient_hooks(
+    params: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
+) -> contextlib.AbstractContextManager[None]:
+    """Silence every gradient hook a user can register on ``params`` and ``modules`` (and globally).
+
+    Tensor hooks and post-accumulate-grad hooks (``Tensor._backward_hooks``,
+    ``Tensor._post_accumulate_grad_hooks``: read when called), and module
+    backward hooks and pre-hooks, per module and global (``_backward_hooks``,
+    ``_backward_pre_hooks``: read when a forward runs, so silenced across the
+    forward whose backward would fire them).
+    """
+    from torch.nn.modules import module as module_py
+
+    dicts: list[Any] = [module_py._global_backward_hooks, module_py._global_backward_pre_hooks]
+    for param in params:
+        dicts += [param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None)]
+    for root in modules:
+        for sub in root.modules():
+            dicts += [sub._backward_hooks, sub._backward_pre_hooks]
+    return _silenced(dicts)
+
+
+@contextlib.contextmanager
+def _silenced(dicts: Iterable[dict[Any, Any] | None]) -> Iterator[None]:
+    # Each hook is swapped for a no-op in place, so a hook removed meanwhile
+    # (its key deleted) stays removed and one added meanwhile stays.
+    saved: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+    seen: set[int] = set()
+    for hooks in dicts:
+        if hooks and id(hooks) not in seen:
+            seen.add(id(hooks))
+            saved.append((hooks, list(hooks.items())))
+            for key in hooks:
+                hooks[key] = _no_hook
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            for key, hook in items:
+                if hooks.get(key) is _no_hook:
+                    hooks[key] = hook
+
+
+def _no_hook(*args: object) -> None:
+    return None
+
+
+@functools.cache
+def multi_grad_hook_codes() -> frozenset[types.CodeType]:
+    # The code objects of the functions register_multi_grad_hook defines
+    # (its hooks): constants of its own code. Mode "any" copies the user's
+    # names onto its hook, so names cannot tell.
+    codes: set[types.CodeType] = set()
+    stack = [torch.autograd.graph.register_multi_grad_hook.__code__]
+    while stack:
+        for const in stack.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                codes.add(const)
+                stack.append(const)
+    return frozenset(codes)
+
+
+def has_other_post_hooks(handle: Any) -> bool:
+    """Whether the node a hook was just registered on (``handle``) has other hooks of its kind.
+
+    A node keeps all its Python post hooks (and all its pre-hooks) in one
+    dict, which the handle of each of them refers to.
+    """
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and len(hooks) > 1
+
+
+def multi_grad_hook_cells(tensor: torch.Tensor) -> set[int]:
+    """Identities of the ``register_multi_grad_hook`` registrations that include ``tensor``.
+
+    One registration puts one hook per tensor (the same function in mode
+    ``"any"``, closures over shared cells in mode ``"all"``); the cells they
+    close over identify the registration.
+    """
+    hooks = tensor._backward_hooks
+    if not hooks:
+        return set()
+    return {
+        id(cell)
+        for hook in hooks.values()
+        if getattr(hook, "__code__", None) in multi_grad_hook_codes()
+        for cell in getattr(hook, "__closure__", None) or ()
+    }
+
+
+def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[Node | None, ...]]:
+    """Every ``register_multi_grad_hook`` registration on any of ``tensors``, with what it spans.
+
+    Keyed by registration (the lock cell its hooks share); the value is the
+    gradient-edge node of each tensor it spans (grad_fn, or the accumulator of
+    a leaf), None for one that cannot be identified. Mode ``"all"`` keeps
+    those nodes in its closure. Mode ``"any"`` keeps nothing: its one hook
+    function sits in the hook dict of each tensor, so when more dicts hold it
+    than ``tensors`` account for, the other holders are looked for through
+    the garbage collector's referrers (costly: only then); a tensor autograd
+    also holds (e.g. a leaf with a live gradient accumulator) is invisible to
+    the collector, and counts as unidentified.
+    """
+    spans: dict[int, tuple[Node | None, ...]] = {}
+    any_hooks: dict[int, Any] = {}
+    for tensor in tensors:
+        for hook in tuple(tensor._backward_hooks.values()) if tensor._backward_hooks else ():
+            if getattr(hook, "__code__", None) not in multi_grad_hook_codes():
+                continue
+            cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+            if "lock" not in cells:
+                continue
+            key = id(cells["lock"])
+            if "grad_fns" in cells:  # mode "all"
+                spans[key] = tuple(n for n in cells["grad_fns"].cell_contents if n is not None)
+            else:
+                any_hooks[key] = hook
+    if not any_hooks:
+        return spans
+    del hook, cells  # count only the hook dicts' references
+    holders = _count_holders(any_hooks)
+    nodes = {id(t): get_gradient_edge(t).node for t in tensors if t.requires_grad}
+    for key, hook in any_hooks.items():
+        known = [t for t in tensors if t._backward_hooks and _holds(t._backward_hooks, hook)]
+        if holders[key] == len(known):
+            spans[key] = tuple(nodes[id(t)] for t in known)
+        else:
+            known_dicts = {id(t._backward_hooks): nodes[id(t)] for t in known}
+            spans[key] = _holder_nodes(hook, any_hooks, known_dicts)
+    return spans
+
+
+def _holds(hooks: dict[Any, Any], hook: Any) -> bool:
+    return any(h is hook for h in hooks.values())
+
+
+def _count_holders(hooks: dict[int, Any]) -> dict[int, int]:
+    """For each hook, how many references beyond ``hooks`` and this call's own hold it."""
+    return {key: sys.getrefcount(hook) - _REF_OVERHEAD for key, hook in hooks.items()}
+
+
+def _ref_overhead() -> int:
+    _REF_OVERHEAD_PROBE[0] = object()  # held by that dict only, like a hook by one tensor's dict
+    return _count_holders({0: _REF_OVERHEAD_PROBE[0]})[0] - 1
+
+
+_REF_OVERHEAD = 0
+_REF_OVERHEAD_PROBE: dict[int, object] = {}
+_REF_OVERHEAD = _ref_overhead()
+_REF_OVERHEAD_PROBE.clear()
+
+
+def _holder_nodes(
+    hook: Any, ignore: dict[int, Any], known: dict[int, Node]
+) -> tuple[Node | None, ...]:
+    """The node of each tensor whose hook dict holds ``hook`` (``known``: by dict id), None where unidentified."""
+    import gc
+
+    found: list[Node | None] = []
+    for holder in gc.get_referrers(hook):
+        if holder is ignore or not isinstance(holder, dict) or not _holds(holder, hook):
+            continue
+        if id(holder) in known:
+            found.append(known[id(holder)])
+            continue
+        if "__builtins__" in holder:
+            continue  # a module's globals, not a tensor's hook dict
+        owners = [
+            t
+            for t in gc.get_referrers(holder)
+            if isinstance(t, torch.Tensor) and t._backward_hooks is holder
+        ]
+        found.extend(get_gradient_edge(t).node if t.requires_grad else None for t in owners)
+        if not owners:
+            found.append(None)
+    return tuple(found)
+
+
+def tensor_hook_dicts(t: torch.Tensor) -> tuple[dict[Any, Any] | None, dict[Any, Any] | None]:
+    """``t``'s tensor-hook dict (``register_hook``) and post-accumulate-grad hook dict, None where it has none."""
+    return t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def module_backward_hook_dicts(module: torch.nn.Module) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """``module``'s full-backward hook dict and backward pre-hook dict (the objects themselves)."""
+    return module._backward_hooks, module._backward_pre_hooks

@@ -1,0 +1,126 @@
+"""torch state outside autograd: RNG, FSDP2's parameters, storages, modules' tensors, device probes.
+
+Private torch read here: FSDP2's per-module state (``FSDPParam``),
+``torch.distributed.pipelining._backward`` and the schedules' ``_Action``,
+``UntypedStorage._cdata`` and a sparse tensor's ``_indices``/``_values``,
+``nn.Module._apply``, and ``torch._utils``' device probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch._utils
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "RngStates",
+    "TorchDispatchMode",
+    "apply_to_tensors",
+    "device_probes_answer",
+    "fsdp_counterparts",
+    "rng_states",
+    "schedule_action",
+    "set_rng_states",
+    "split_backward_module",
+    "storage_key",
+    "storages_of",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RngStates:
+    """The CPU generator's state, and every CUDA device's where CUDA is initialised."""
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] | None
+
+
+def rng_states() -> RngStates:
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
+    return RngStates(torch.get_rng_state(), cuda)
+
+
+def set_rng_states(states: RngStates) -> None:
+    torch.set_rng_state(states.cpu)
+    if states.cuda is not None:
+        torch.cuda.set_rng_state_all(list(states.cuda))
+
+
+def fsdp_counterparts() -> dict[int, torch.Tensor]:
+    """For every FSDP2-managed parameter: id(sharded) -> unsharded and id(unsharded) -> sharded.
+
+    FSDP2 swaps a module's parameters between a sharded DTensor and an unsharded
+    tensor; a graph recorded while one was installed holds it, while
+    ``module.parameters()`` may yield the other by the time B or W runs.
+    """
+    try:
+        from torch.distributed import _composable_state
+    except ImportError:
+        return {}
+    pairs: dict[int, torch.Tensor] = {}
+    for state_ref in list(_composable_state._module_state_mapping.values()):
+        state = state_ref()
+        # Newer FSDP2 keeps several parameter groups per module, older one.
+        groups: Any = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if isinstance(sharded, torch.Tensor) and isinstance(unsharded, torch.Tensor):
+                    pairs[id(sharded)] = unsharded
+                    pairs[id(unsharded)] = sharded
+    return pairs
+
+
+def split_backward_module() -> types.ModuleType:
+    """``torch.distributed.pipelining._backward`` as it is now: torch's split functions, or gradsafe's when patched."""
+    return importlib.import_module("torch.distributed.pipelining._backward")
+
+
+def schedule_action(text: str) -> Any:
+    """torch's pipeline-schedule action for its string form (e.g. ``"0F1"``), None for an empty one."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(text)
+
+
+def storages_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, ...]:
+    """The storages ``t``'s data lives in: its own, or a sparse COO tensor's indices and values."""
+    if t.is_sparse:  # uncoalesced too, which the public indices()/values() refuse
+        return (t._indices().untyped_storage(), t._values().untyped_storage())
+    return (t.untyped_storage(),)
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """An identity of a storage (``t``'s, shared by its views), valid while the storage lives."""
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage._cdata
+
+
+def apply_to_tensors(
+    module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.nn.Module:
+    """``fn`` applied to every parameter and buffer of ``module``, in place, as ``Module.to`` does."""
+    return module._apply(fn)
+
+
+@contextlib.contextmanager
+def device_probes_answer(device_type: str, device_module: Any) -> Iterator[None]:
+    """While inside, torch's accelerator probes report ``device_type`` and ``device_module``."""
+    probes = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: device_type
+    torch._utils._get_device_module = lambda device_type=None: device_module  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = probes
