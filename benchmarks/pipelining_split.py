@@ -448,11 +448,12 @@ def section_own(reps: int) -> None:
     print(
         "\n6. gradsafe's own time: B+W minus the work any split does (B's engine call, W's node"
         " calls and reductions, W's delivery engine calls); thread CPU ms, median. 'own' still"
-        " counts freeing the gradients W consumed"
+        " counts freeing the gradients W consumed. 'split work': the parts any split runs (B's engine"
+        " call, W's node calls, reductions, delivery) over fused, a floor under gradsafe / fused"
     )
     print(
         f"{'model':<40} | {'fused':>7} | {'gs B+W':>7} | {'B engine':>8} | {'W nodes':>7} | "
-        f"{'reduce':>6} | {'deliver':>7} | {'own':>6} | {'own/fused':>9}"
+        f"{'reduce':>6} | {'deliver':>7} | {'own':>6} | {'own/fused':>9} | {'split work/fused':>16}"
     )
     models = {
         "12 transformer blocks (d=128)": (transformer(12, 128), (4, 128, 128)),
@@ -488,7 +489,7 @@ def section_own(reps: int) -> None:
         f, t, be, wn, re, de, own = (statistics.median(col) * 1e3 for col in zip(*rows))
         print(
             f"{label:<40} | {f:7.2f} | {t:7.2f} | {be:8.2f} | {wn:7.2f} | {re:6.2f} | {de:7.2f} | "
-            f"{own:6.2f} | {own / f * 100:8.1f}%"
+            f"{own:6.2f} | {own / f * 100:8.1f}% | {(be + wn + re + de) / f:15.2f}x"
         )
 
 
