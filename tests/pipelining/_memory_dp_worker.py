@@ -1,20 +1,25 @@
-"""One of 2 gloo ranks: live storage during B and W of a data-parallel stage, gradsafe vs torch's split.
+"""One of 2 gloo ranks: live storage during B and W of a data-parallel stage, gradsafe vs baselines.
 
 Run by test_pipelining_memory_dp.py. argv: rank port outdir. Writes outdir/rank{r}.pt:
 ``{"points": {case: {point: bytes}}, "grads": {case: [gradients]}}`` or ``{"crash": ...}``,
-a case being ``(wrapper, stage, order, impl)``.
+a case being ``(wrapper, stage, order, impl)``, ``impl`` one of ``WRAPPERS[wrapper]``.
 
 The stage (Linear + tanh layers, a middle stage: its output gradient comes from
 the next stage) is wrapped over both ranks: FSDP2 (``fully_shard``, parameters
-really sharded in two, ``reshard_after_forward=False``: torch's split is handed
-the parameters the graph holds, so it computes every gradient and the comparison
-is like for like) or DDP. B and W are called the way ``stage.py`` calls them
-(``backward_maybe_with_nosync``): FSDP2's flags set before each; DDP under
-``no_sync`` except the last microbatch's B and W, before which the reducer is
-prepared; the stage output kept until its W, the input gradients until the
-step ends. Then the step's gradient reduction as ``stage.py`` ends a step
-(FSDP2's ``post_backward`` with gradient sync; DDP reduced in its hooks). Both
-ranks get the same data, so the reduced gradients equal each rank's own.
+really sharded in two), with ``reshard_after_forward=False`` ("fsdp": torch's
+split is handed the parameters the graph holds, so it computes every gradient
+and the comparison is like for like) or ``True`` ("fsdp resharded",
+torchtitan's default for non-last stages: torch's split is handed sharded
+parameters the graph does not hold and misses their gradients, so the
+baseline is a fused backward of the same stage), or DDP. B and W are called
+the way ``stage.py`` calls them (``backward_maybe_with_nosync``), "fused" as
+its full backward per microbatch (in B's place; W does nothing): FSDP2's
+flags set before each; DDP under ``no_sync`` except the last microbatch's B
+and W, before which the reducer is prepared; the stage output kept until its
+W, the input gradients until the step ends. Then the step's gradient
+reduction as ``stage.py`` ends a step (FSDP2's post-backward with gradient
+sync; DDP reduced in its hooks). Both ranks get the same data, so the reduced
+gradients equal each rank's own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ MICROBATCHES = 3
 # (layers, dim, tokens per microbatch): weight gradients dominate, activations dominate.
 STAGES = {"weight-dominated": (4, 256, 8), "activation-dominated": (4, 32, 512)}
 ORDERS = ("every B, then every W", "B and W per microbatch")
+# wrapper -> the backwards measured on it
+WRAPPERS = {
+    "fsdp": ("fused", "torch", "gradsafe"),
+    "fsdp resharded": ("fused", "gradsafe"),
+    "ddp": ("torch", "gradsafe"),
+}
 
 
 def _stage(name: str) -> nn.Module:
@@ -46,8 +57,18 @@ def _wrap(module: nn.Module, wrapper: str) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=False)
+    resharded = wrapper == "fsdp resharded"
+    fully_shard(module, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=resharded)
     return module
+
+
+def _manual_finalization(model: nn.Module) -> bool:
+    """Whether this torch's ``stage.py`` finalizes FSDP2's backward by hand (2.15 on).
+
+    Earlier stages mark every backward as not the last one and call each
+    parameter group's ``post_backward`` at the end of the step.
+    """
+    return hasattr(model, "set_manual_backward_finalization")
 
 
 def _forward_as_stage(wrapper: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +76,8 @@ def _forward_as_stage(wrapper: str, model: nn.Module, x: torch.Tensor) -> torch.
     if wrapper == "ddp":
         with model.no_sync():  # type: ignore[operator]
             return model(x)
+    if _manual_finalization(model):
+        model.set_manual_backward_finalization(True)  # type: ignore[operator]
     return model(x)
 
 
@@ -68,7 +91,8 @@ def _backward_as_stage(wrapper: str, model: nn.Module, last: bool, outputs: Any,
 
         model.reducer.prepare_for_backward(list(_find_tensors(outputs)))  # type: ignore[union-attr, operator]
         return run()
-    model.set_is_last_backward(False)  # type: ignore[operator]
+    if not _manual_finalization(model):
+        model.set_is_last_backward(False)  # type: ignore[operator]
     model.set_reshard_after_backward(False)  # type: ignore[operator]
     model.set_requires_gradient_sync(False)  # type: ignore[operator]
     return run()
@@ -80,12 +104,18 @@ def _end_step(wrapper: str, model: nn.Module) -> None:
         return
     from torch.distributed.fsdp import fully_shard
 
-    model.set_is_last_backward(True)  # type: ignore[operator]
     model.set_reshard_after_backward(True)  # type: ignore[operator]
     model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    if _manual_finalization(model):
+        model.finalize_backward(async_op=True).wait()  # type: ignore[operator]
+        model.set_manual_backward_finalization(False)  # type: ignore[operator]
+        return
+    model.set_is_last_backward(True)  # type: ignore[operator]
     state = fully_shard.state(model)  # type: ignore[attr-defined]
-    for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
-        group.post_backward()
+    for each in state._state_ctx.all_states:
+        for group in getattr(each, "_fsdp_param_groups", None) or [each._fsdp_param_group]:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -97,17 +127,24 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _fused_b(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
+    """``stage.py``'s full backward (``stage_backward``) where B runs; its W does nothing."""
+    from torch.distributed.pipelining._backward import stage_backward
+
+    return stage_backward(outputs, grads, inputs), None
+
+
 def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, int], list[Any]]:
     from torch.distributed.pipelining import _backward as torch_split
 
     from gradsafe.pipelining import stage_backward_input, stage_backward_weight
     from gradsafe.testing import LiveStorage
 
-    b, w = (
-        (stage_backward_input, stage_backward_weight)
-        if impl == "gradsafe"
-        else (torch_split.stage_backward_input, torch_split.stage_backward_weight)
-    )
+    b, w = {
+        "gradsafe": (stage_backward_input, stage_backward_weight),
+        "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
+        "fused": (_fused_b, lambda weights, handoff: None),
+    }[impl]
     module = _stage(stage)
     _, dim, tokens = STAGES[stage]
     torch.manual_seed(1)  # the same data on both ranks
@@ -154,6 +191,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         # runs; when the collector frees it is chance. Read what is still referenced.
         gc.collect()
         points["after the reduction"] = live.mark()
+        points["peak of the step"] = max(v for k, v in points.items() if k.startswith("peak"))
     return points, _grads(model)
 
 
@@ -162,10 +200,10 @@ def main() -> None:
 
     def body() -> dict[str, Any]:
         result: dict[str, Any] = {"points": {}, "grads": {}}
-        for wrapper in ("fsdp", "ddp"):
+        for wrapper, impls in WRAPPERS.items():
             for stage in STAGES:
                 for order in ORDERS:
-                    for impl in ("torch", "gradsafe"):
+                    for impl in impls:
                         case = (wrapper, stage, order, impl)
                         result["points"][case], result["grads"][case] = measure(*case)
         return result
