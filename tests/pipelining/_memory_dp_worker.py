@@ -24,8 +24,11 @@ gradients equal each rank's own.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +121,55 @@ def _end_step(wrapper: str, model: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+@contextlib.contextmanager
+def _all_gather_buffers_die_when_fsdp_drops_them() -> Iterator[list[Any]]:
+    """While inside, FSDP2's flat all-gather buffer is freed before the stage goes on.
+
+    gloo's worker thread holds a finished collective's tensors until it takes
+    its next task; on a loaded machine that was, by chance, after the next W
+    (1028 KiB held through B0 and W0 in 1 run of 8 on one rank). Each
+    ``wait_for_unshard`` therefore waits until the thread has let go of the
+    buffer FSDP2 just dropped; one FSDP2 keeps for the next forward's overlap
+    goes on the yielded list, for the caller to wait on once FSDP2 drops it.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    kept: list[Any] = []
+    original = FSDPParamGroup.wait_for_unshard
+
+    def wait_for_unshard(self: Any) -> None:
+        result = self._all_gather_result
+        if result is None:
+            return original(self)
+        ref = StorageWeakRef(result.all_gather_output.untyped_storage())
+        del result
+        original(self)
+        state = self.comm_ctx.all_gather_state
+        saved = state is not None and state.all_gather_result.all_gather_output
+        if saved is not False and StorageWeakRef(saved.untyped_storage()) == ref:
+            kept.append(ref)
+        else:
+            _wait_freed([ref])
+
+    FSDPParamGroup.wait_for_unshard = wait_for_unshard  # type: ignore[method-assign]
+    try:
+        yield kept
+    finally:
+        FSDPParamGroup.wait_for_unshard = original  # type: ignore[method-assign]
+
+
+def _wait_freed(refs: list[Any]) -> None:
+    deadline = time.monotonic() + 30
+    while not all(ref.expired() for ref in refs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                "an FSDP2 all-gather buffer was still alive 30 s after FSDP2 dropped it"
+            )
+        time.sleep(0.001)
+    refs.clear()
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     out = []
     for p in model.parameters():
@@ -157,7 +209,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
     last = MICROBATCHES - 1
     points: dict[str, int] = {}
     existing = [*module.parameters(), *xs, *gs]
-    with LiveStorage(existing) as live:
+    with _all_gather_buffers_die_when_fsdp_drops_them() as kept, LiveStorage(existing) as live:
         # Wrapped inside: what the wrapper allocates (FSDP2's shards, DDP's buckets, which only
         # gradsafe's W writes into: torch's W fires no hooks) is counted from the start in both.
         model = _wrap(module, wrapper)
@@ -165,6 +217,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         # Garbage the wrapping left (DDP's init) would otherwise die whenever the cyclic
         # collector next runs, in either run's B (gradsafe pauses the collector in B and W).
         gc.collect()
+        _wait_freed(kept)  # the forwards' all-gather buffers, dropped by the root's post-forward
         live.mark()
         handoffs: list[Any] = [None] * MICROBATCHES
         input_grads = []  # torch's stage keeps them (bwd_cache) until they are sent
