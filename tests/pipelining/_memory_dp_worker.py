@@ -127,7 +127,8 @@ def _all_gather_buffers_die_when_fsdp_drops_them() -> Iterator[list[Any]]:
 
     gloo's worker thread holds a finished collective's tensors until it takes
     its next task; on a loaded machine that was, by chance, after the next W
-    (1028 KiB held through B0 and W0 in 1 run of 8 on one rank). Each
+    (1028 KiB held through B0 and W0 in 1 run of 8 on one rank; likewise
+    DDP's initial broadcast into B0's peak, see ``_settle``). Each
     ``wait_for_unshard`` therefore waits until the thread has let go of the
     buffer FSDP2 just dropped; one FSDP2 keeps for the next forward's overlap
     goes on the yielded list, for the caller to wait on once FSDP2 drops it.
@@ -168,6 +169,19 @@ def _wait_freed(refs: list[Any]) -> None:
             )
         time.sleep(0.001)
     refs.clear()
+
+
+def _settle(live: Any) -> None:
+    """Waits until gloo's worker threads have let go of the tensors of finished collectives.
+
+    No handle shows when they do: the count must hold still for 100 ms (at most 10 s).
+    """
+    deadline, still_since, last = time.monotonic() + 10, time.monotonic(), live.live()
+    while time.monotonic() - still_since < 0.1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+        now = live.live()
+        if now != last:
+            still_since, last = time.monotonic(), now
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -218,6 +232,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         # collector next runs, in either run's B (gradsafe pauses the collector in B and W).
         gc.collect()
         _wait_freed(kept)  # the forwards' all-gather buffers, dropped by the root's post-forward
+        _settle(live)  # DDP's initial broadcast
         live.mark()
         handoffs: list[Any] = [None] * MICROBATCHES
         input_grads = []  # torch's stage keeps them (bwd_cache) until they are sent
@@ -243,6 +258,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         # FSDP2's reduction leaves a reference cycle holding a gradient-sized buffer, in both
         # runs; when the collector frees it is chance. Read what is still referenced.
         gc.collect()
+        _settle(live)  # FSDP2's reduce-scatter
         points["after the reduction"] = live.mark()
         points["peak of the step"] = max(v for k, v in points.items() if k.startswith("peak"))
     return points, _grads(model)
