@@ -1,7 +1,8 @@
 """One of 2 gloo ranks: live storage during B and W of a data-parallel stage, gradsafe vs baselines.
 
 Run by test_pipelining_memory_dp.py. argv: rank port outdir. Writes outdir/rank{r}.pt:
-``{"points": {case: {point: bytes}}, "grads": {case: [gradients]}}`` or ``{"crash": ...}``,
+``{"points": {case: {point: bytes}}, "grads": {case: [gradients]}, "unsharded": {case:
+{point: bytes FSDP2's unsharded parameters hold}}}`` or ``{"crash": ...}``,
 a case being ``(wrapper, stage, order, impl)``, ``impl`` one of ``WRAPPERS[wrapper]``.
 
 The stage (Linear + tanh layers, a middle stage: its output gradient comes from
@@ -200,7 +201,24 @@ def _fused_b(outputs: Any, grads: Any, inputs: Any, weights: Any) -> Any:
     return stage_backward(outputs, grads, inputs), None
 
 
-def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, int], list[Any]]:
+def _unsharded_bytes(model: nn.Module) -> int:
+    """Bytes FSDP2's unsharded parameters hold now (0 once resharded; 0 for DDP)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(model, FSDPModule):
+        return 0
+    state = fully_shard.state(model)  # type: ignore[attr-defined]
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    return sum(
+        fsdp_param._unsharded_param.untyped_storage().nbytes()
+        for group in groups
+        for fsdp_param in group.fsdp_params
+    )
+
+
+def measure(
+    wrapper: str, stage: str, order: str, impl: str
+) -> tuple[dict[str, int], list[Any], dict[str, int]]:
     from torch.distributed.pipelining import _backward as torch_split
 
     from gradsafe.pipelining import stage_backward_input, stage_backward_weight
@@ -234,6 +252,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         _wait_freed(kept)  # the forwards' all-gather buffers, dropped by the root's post-forward
         _settle(live)  # DDP's initial broadcast
         live.mark()
+        gathered = {"before B0": _unsharded_bytes(model)}
         handoffs: list[Any] = [None] * MICROBATCHES
         input_grads = []  # torch's stage keeps them (bwd_cache) until they are sent
         for kind, i in steps:
@@ -253,6 +272,7 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
                 handoffs[i] = outs[i] = None  # the schedule pops its backward_state entry
             points[f"peak during {kind}{i}"] = live.peak_since_mark
             points[f"after {kind}{i}"] = live.mark()
+            gathered[f"after {kind}{i}"] = _unsharded_bytes(model)
         _end_step(wrapper, model)
         points["peak during the reduction"] = live.peak_since_mark
         # FSDP2's reduction leaves a reference cycle holding a gradient-sized buffer, in both
@@ -261,20 +281,23 @@ def measure(wrapper: str, stage: str, order: str, impl: str) -> tuple[dict[str, 
         _settle(live)  # FSDP2's reduce-scatter
         points["after the reduction"] = live.mark()
         points["peak of the step"] = max(v for k, v in points.items() if k.startswith("peak"))
-    return points, _grads(model)
+        gathered["after the reduction"] = _unsharded_bytes(model)
+    return points, _grads(model), gathered
 
 
 def main() -> None:
     rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
     def body() -> dict[str, Any]:
-        result: dict[str, Any] = {"points": {}, "grads": {}}
+        result: dict[str, Any] = {"points": {}, "grads": {}, "unsharded": {}}
         for wrapper, impls in WRAPPERS.items():
             for stage in STAGES:
                 for order in ORDERS:
                     for impl in impls:
                         case = (wrapper, stage, order, impl)
-                        result["points"][case], result["grads"][case] = measure(*case)
+                        points, grads, gathered = measure(*case)
+                        result["points"][case], result["grads"][case] = points, grads
+                        result["unsharded"][case] = gathered
         return result
 
     run_rank(rank, port, outdir, body)

@@ -105,6 +105,26 @@ def test_resharded_fsdp_stage_holds_no_more_than_torchs_split_unresharded(
     assert not over, f"bytes (gradsafe resharded, bound) where gradsafe holds more: {over}"
 
 
+def test_resharded_fsdp_stage_is_unsharded_from_the_first_b_to_the_reduction(
+    measured: dict[str, Any],
+) -> None:
+    """What the bound above rests on, read from FSDP2's parameters: resharded after the
+    forwards, gathered by the first B and kept so through every B and W (stage.py's
+    ``set_reshard_after_backward(False)``), freed by the reduction; the unresharded stage
+    holds them from its forwards. Both orders, every backward measured."""
+    unsharded = measured["unsharded"]
+    for case, gathered in unsharded.items():
+        if not case[0].startswith("fsdp"):
+            continue
+        full = unsharded[("fsdp", *case[1:3], "torch")]["before B0"]
+        expected = {point: full for point in gathered}
+        expected["after the reduction"] = 0
+        if case[0] == "fsdp resharded":
+            expected["before B0"] = 0
+        assert full > 0
+        assert gathered == expected, case
+
+
 def test_resharded_fsdp_stage_gradients_equal_a_fused_backward(measured: dict[str, Any]) -> None:
     """The resharded stage's gradients are right: equal to a fused backward's and to the unresharded stage's."""
     grads = measured["grads"]
