@@ -31,8 +31,9 @@ right after any B, right after the last W, after ``step()`` (losses kept), and
 peak. "fused" runs each microbatch's whole backward in B and nothing in W.
 
 3. ``--dp``: a middle stage wrapped over 2 gloo ranks with FSDP2 (sharded,
-``reshard_after_forward=False``) or DDP, 3 microbatches, B and W called as
-``stage.py`` calls them, then the stage's gradient reduction: every point, from
+``reshard_after_forward`` False or True) or DDP, 3 microbatches, B and W called
+as ``stage.py`` calls them ("fused": its full backward in B's place), then the
+stage's gradient reduction: every point, from
 ``tests/pipelining/_memory_dp_worker.py`` (the run
 ``tests/pipelining/test_pipelining_memory_dp.py`` asserts on), rank 0 (both
 ranks get the same data and hold the same).
@@ -274,17 +275,28 @@ def dp() -> None:
         raise SystemExit(result["crash"])
     print(
         f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, fp32; a middle "
-        "stage over 2 gloo ranks, 3 microbatches, KiB on rank 0"
+        "stage over 2 gloo ranks, 3 microbatches, KiB of live storage on rank 0, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     points = result["points"]
-    for case in (c[:3] for c in points if c[3] == "torch"):
-        theirs, ours = points[(*case, "torch")], points[(*case, "gradsafe")]
+    for case in dict.fromkeys(c[:3] for c in points):
+        wrapper, stage, order = case
+        columns = {impl: points[c] for c in points if c[:3] == case for impl in c[3:]}
+        if wrapper == "fsdp resharded":
+            # torch's split is wrong here; what it holds where it is right: the stage unresharded
+            columns["torch, unresharded"] = points[("fsdp", stage, order, "torch")]
+        baseline = "torch" if "torch" in columns else "torch, unresharded"
         print(f"\n{' / '.join(case)}")
-        print(f"{'point':<28}{'torch':>10}{'gradsafe':>10}{'gradsafe/torch':>16}")
-        for name in theirs:
+        print(
+            f"{'point':<28}"
+            + "".join(f"{impl:>20}" for impl in columns)
+            + f"{'gradsafe / ' + baseline:>30}"
+        )
+        for name in columns["gradsafe"]:
             print(
-                f"{name:<28}{theirs[name] / 1024:10.1f}{ours[name] / 1024:10.1f}"
-                f"{ours[name] / theirs[name]:15.2f}x"
+                f"{name:<28}"
+                + "".join(f"{col[name] / 1024:20.1f}" for col in columns.values())
+                + f"{columns['gradsafe'][name] / max(columns[baseline][name], 1):29.2f}x"
             )
 
 

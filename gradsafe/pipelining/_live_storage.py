@@ -26,8 +26,12 @@ class LiveStorage(TorchDispatchMode):
     storages of ``existing`` tensors (parameters, inputs) are never counted,
     nor views of them. The count is read after every operator, so
     :attr:`peak` is the most alive after any operator (a transient inside one
-    operator is not seen). Like any dispatch mode it sees operators run on
-    the thread that entered it, which includes the autograd engine's CPU work.
+    operator is not seen). A storage counts at its size when read: FSDP2
+    frees and re-allocates its unsharded parameters by resizing their
+    storages in place (``UntypedStorage.resize_``, which no dispatch mode
+    sees), so a resize shows from the next operator on. Like any dispatch
+    mode it sees operators run on the thread that entered it, which
+    includes the autograd engine's CPU work.
 
     Example::
 
@@ -40,7 +44,7 @@ class LiveStorage(TorchDispatchMode):
 
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._storages: dict[int, StorageWeakRef] = {}
         self._existing = {storage_key(t) for t in existing}
         #: The most bytes alive after any operator since the mode was entered.
         self.peak = 0
@@ -48,9 +52,16 @@ class LiveStorage(TorchDispatchMode):
         self.peak_since_mark = 0
 
     def live(self) -> int:
-        """Bytes of counted storages alive now."""
-        self._storages = {k: v for k, v in self._storages.items() if not v[0].expired()}
-        return sum(n for _, n in self._storages.values())
+        """Bytes of counted storages alive now, at their present sizes."""
+        alive: dict[int, StorageWeakRef] = {}
+        total = 0
+        for key, ref in self._storages.items():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is not None:
+                alive[key] = ref
+                total += storage.nbytes()
+        self._storages = alive
+        return total
 
     def mark(self) -> int:
         """Start a new :attr:`peak_since_mark` window; returns the bytes alive now."""
@@ -72,4 +83,4 @@ class LiveStorage(TorchDispatchMode):
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = storage_key(storage)
         if key not in self._storages and key not in self._existing:
-            self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
+            self._storages[key] = StorageWeakRef(storage)

@@ -258,3 +258,19 @@ def test_w_with_gradients_held_adds_one_layer_at_a_time() -> None:
     one_layer = sum(p.numel() * p.element_size() for p in layer.parameters())
     transient = points["peak during W0"] - points["after B0"]
     assert transient <= 2 * one_layer + _SLACK, (transient, one_layer)
+
+
+def test_live_storage_counts_a_storage_at_its_present_size() -> None:
+    """A storage resized in place (FSDP2 frees and re-gathers its unsharded parameters so,
+    outside any operator) counts at its new size from the next reading on."""
+    with LiveStorage() as live:
+        t = torch.empty(256, dtype=torch.float32)
+        assert live.live() == 1024
+        t.untyped_storage().resize_(0)
+        assert live.live() == 0
+        t.untyped_storage().resize_(2048)
+        # An operator after the resize: its reading sees the new size.
+        one = torch.zeros(1, dtype=torch.float32)
+        assert live.peak == live.live() == 2048 + 4
+        del t, one
+        assert live.live() == 0
