@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradsafe.pipelining._torch import TorchDispatchMode, storage_key, storages_of
+from gradsafe.pipelining._torch import TorchDispatchMode, live_nbytes, storage_key, storages_of
 
 __all__ = ["LiveStorage"]
 
@@ -56,10 +56,10 @@ class LiveStorage(TorchDispatchMode):
         alive: dict[int, StorageWeakRef] = {}
         total = 0
         for key, ref in self._storages.items():
-            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-            if storage is not None:
+            nbytes = live_nbytes(ref)
+            if nbytes is not None:
                 alive[key] = ref
-                total += storage.nbytes()
+                total += nbytes
         self._storages = alive
         return total
 

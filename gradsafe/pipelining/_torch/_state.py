@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch._utils
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "apply_to_tensors",
     "device_probes_answer",
     "fsdp_counterparts",
+    "live_nbytes",
     "rng_states",
     "schedule_action",
     "set_rng_states",
@@ -105,6 +107,16 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """An identity of a storage (``t``'s, shared by its views), valid while the storage lives."""
     storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
     return storage._cdata
+
+
+def live_nbytes(ref: StorageWeakRef) -> int | None:
+    """The present size in bytes of the storage ``ref`` refers to weakly, None once it is freed.
+
+    Read now, not at creation: FSDP2 frees and re-gathers its unsharded
+    parameters by resizing their storages in place.
+    """
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return None if storage is None else storage.nbytes()
 
 
 def apply_to_tensors(
