@@ -16,9 +16,11 @@ from gradsafe.pipelining._gc import collector_paused
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
     engine_error,
+    freed_storages,
     is_modified_in_place,
     leaf_variable,
     saved_unusable,
+    saves_storage,
     version,
 )
 from gradsafe.pipelining._weight_pass import (
@@ -368,6 +370,21 @@ class WeightGradHandoff:
                 raise SplitBackwardError(
                     f"W stopped before changing any parameter's gradient: {node.name()} {_MODIFIED}"
                 )
+        freed = freed_storages(self._leaves)
+        if freed:
+            for node in nodes:
+                if saves_storage(node, freed):
+                    raise SplitBackwardError(
+                        "W stopped before changing any parameter's gradient: "
+                        f"{node.name()}, which W calls, saved a parameter whose storage has "
+                        "been freed since B (FSDP2 with reshard_after_forward=True frees the "
+                        "unsharded parameters when a forward of the stage runs between its B "
+                        "and W, or any code that resized the storage to 0 bytes): W would read "
+                        "freed memory. Run W while the parameters are gathered (torch's "
+                        "schedules do: call W from the schedule, or unshard() the module "
+                        "before W), or use reshard_after_forward=False; then redo the "
+                        "microbatch's forward and backward."
+                    )
 
     def _gradient_changed_since_b(self) -> str | None:
         """Where a gradient W starts from was modified in place since B saw it (None: nowhere)."""

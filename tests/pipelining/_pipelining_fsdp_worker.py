@@ -49,8 +49,45 @@ def main() -> None:
         found["stray"] = "accepted"
     except SplitBackwardError as exc:
         found["stray"] = str(exc)
+    found["resharded before W"] = _resharded_before_w(fully_shard, init_device_mesh)
     torch.save(found, outfile)
     dist.destroy_process_group()
+
+
+class _Squared(nn.Module):
+    """``x @ (w * w)``: its weight-only node reads the parameter's value in W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.w * self.w)
+
+
+def _resharded_before_w(fully_shard: Any, init_device_mesh: Any) -> str:
+    """B, then a forward of the stage (which reshards, freeing the unsharded parameters the graph
+    holds), then W, with stage.py's flags: W's answer (it read freed memory before: a crash)."""
+    from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
+
+    model = nn.Sequential(_Squared(), nn.Tanh(), _Squared())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=True)
+    if hasattr(model, "set_manual_backward_finalization"):  # 2.15: stage.py finalizes by hand
+        model.set_manual_backward_finalization(True)
+    else:
+        model.set_is_last_backward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.ones(3, 4, dtype=torch.float64)
+    out = model(x)
+    _, handoff = stage_backward_input([out], [g], [x], model.parameters())
+    model(x)  # the next microbatch's forward, before this one's W
+    try:
+        stage_backward_weight(model.parameters(), handoff)
+    except SplitBackwardError as exc:
+        return str(exc)
+    return "accepted"
 
 
 if __name__ == "__main__":

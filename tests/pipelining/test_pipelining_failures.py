@@ -227,6 +227,35 @@ def test_a_saved_tensor_modified_between_b_and_w_is_named_as_such_not_as_freed(
     assert _unchanged(model, before)
 
 
+class _Squared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.w * self.w)
+
+
+@pytest.mark.parametrize("layer", [_Squared, lambda: nn.Linear(4, 4)], ids=["w*w", "Linear"])
+def test_a_parameter_storage_freed_between_b_and_w_is_refused_before_w_reads_it(
+    layer: Any,
+) -> None:
+    # FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes when
+    # a forward reshards between B and W; W's weight-only node would read freed
+    # memory (a crash on CPU, reused memory on a GPU).
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(), nn.Tanh(), layer())
+    x = torch.randn(3, 4, requires_grad=True)
+    _, handoff = stage_backward_input([model(x)], [torch.ones(3, 4)], [x], model.parameters())
+    weight = next(model.parameters())
+    nbytes = weight.untyped_storage().nbytes()
+    weight.untyped_storage().resize_(0)
+    try:
+        _w_refused(model, handoff, "storage has been freed since B.*reshard_after_forward")
+    finally:
+        weight.untyped_storage().resize_(nbytes)
+
+
 def test_weight_only_subgraph_shared_by_two_microbatches() -> None:
     """W frees nothing itself, so a weight-only part shared across microbatches stays exact."""
     torch.manual_seed(0)

@@ -30,3 +30,5 @@ def test_sharded_in_b_unsharded_in_w_exact_and_stray_parameter_named(tmp_path: P
     assert "leaf tensor" not in found["stray"] and "parameter of shape (4, 4)" in found["stray"], (
         found
     )
+    # A forward between B and W reshards: W refuses instead of reading freed memory.
+    assert "storage has been freed since B" in found["resharded before W"], found

@@ -104,6 +104,7 @@ from gradsafe.pipelining._torch._nodes import (
     call_node,
     crashes_weight_only,
     donates_buffers,
+    freed_storages,
     grad_target,
     has_hooked_saved,
     input_meta,
@@ -117,6 +118,7 @@ from gradsafe.pipelining._torch._nodes import (
     runs_whole,
     saved_unusable,
     saves_itself,
+    saves_storage,
     version,
 )
 from gradsafe.pipelining._torch._probe import (
@@ -152,6 +154,7 @@ __all__ = [
     "deferred_callbacks",
     "device_probes_answer",
     "donates_buffers",
+    "freed_storages",
     "engine_error",
     "exec_group",
     "fsdp_counterparts",
@@ -177,6 +180,7 @@ __all__ = [
     "run_backward",
     "runs_whole",
     "saved_unusable",
+    "saves_storage",
     "saves_itself",
     "schedule_action",
     "set_rng_states",

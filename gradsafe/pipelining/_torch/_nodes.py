@@ -24,6 +24,7 @@ __all__ = [
     "call_node",
     "crashes_weight_only",
     "donates_buffers",
+    "freed_storages",
     "grad_target",
     "has_hooked_saved",
     "input_meta",
@@ -36,6 +37,7 @@ __all__ = [
     "refusable_kind",
     "runs_whole",
     "saved_unusable",
+    "saves_storage",
     "saves_itself",
     "version",
 ]
@@ -195,6 +197,56 @@ def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
     except RuntimeError as exc:
         return "modified" if is_modified_in_place(exc) else "freed"
     return None
+
+
+def freed_storages(leaves: Sequence[torch.Tensor]) -> set[int]:
+    """Storage identities of the ``leaves`` whose storage was freed in place (resized to 0 bytes).
+
+    FSDP2 frees an unsharded parameter that way when it reshards (and
+    re-gathers into the same storage): a graph recorded while it was gathered
+    still holds it.
+    """
+    freed: set[int] = set()
+    for leaf in leaves:
+        if leaf.layout is torch.strided and leaf.numel():
+            try:
+                storage = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # subclasses without one
+                continue
+            if storage.nbytes() == 0:
+                freed.add(storage._cdata)
+    return freed
+
+
+def saves_storage(node: Node, storages: set[int]) -> bool:
+    """Whether ``node`` saved a tensor whose storage is one of ``storages`` (a leaf, or a view of one).
+
+    Unpacks the saved tensors: only for nodes whose saved tensors come back
+    without hooks, which are those W calls. A custom Function's node is read
+    through ``saved_tensors``.
+    """
+    if is_python_node(node):
+        try:
+            saved: Any = node.saved_tensors  # type: ignore[attr-defined]
+        except RuntimeError:
+            return False  # freed or modified: W's other checks say so
+        tensors = list(saved)
+    else:
+        tensors = []
+        for name in _saved_names(type(node)):
+            try:
+                value = getattr(node, name.replace("_raw_saved_", "_saved_", 1))
+            except RuntimeError:
+                continue
+            tensors += value if isinstance(value, (list, tuple)) else [value]
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
+            try:
+                if tensor.untyped_storage()._cdata in storages:
+                    return True
+            except (RuntimeError, NotImplementedError, TypeError):  # subclasses without one
+                continue
+    return False
 
 
 def is_modified_in_place(exc: BaseException) -> bool:
