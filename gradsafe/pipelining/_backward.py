@@ -45,7 +45,7 @@ from gradsafe.pipelining._torch import (
     silenced_tensor_hooks,
     version,
 )
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded
+from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, shares_memory
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -191,7 +191,7 @@ def _stage_backward_input(
     w_nodes = [n for n in graph.weight_nodes if n not in in_k]
     keep, later = _detach_outputs(roots, graph, w_nodes, input_values)
     handoff = WeightGradHandoff(
-        **_records_for_w(graph, roots, captured, in_b, k_leaves, at_leaves, k_outputs),
+        **_records_for_w(graph, roots, captured, in_b, k_leaves, at_leaves, k_outputs, dinputs),
         weight_nodes=w_nodes,
         leaf_nodes=list(graph.leaves),
         leaves=list(graph.leaves.values()),
@@ -212,6 +212,7 @@ def _records_for_w(
     k_leaves: Sequence[Node],
     at_leaves: Sequence[torch.Tensor | None],
     k_outputs: set[int],
+    dinputs: Sequence[torch.Tensor | None],
 ) -> _WRecords:
     """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
     recorded = []
@@ -219,11 +220,25 @@ def _records_for_w(
         grads, versions = captured.get(item.node, ((), ()))
         if item not in in_b and _any_grad(grads):
             recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
+    # A gradient W starts from that is also an input gradient B returned (a
+    # custom Function's backward may return one tensor for an input and a
+    # parameter) reaches W's hooks only as a copy: one that modifies its
+    # argument in place must not change what B returned.
+    returned = [d for d in dinputs if d is not None]
     return _WRecords(
         recorded=recorded,
-        kept=[Kept(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None],
+        kept=[
+            Kept(grad, node, 0, shares_memory(grad, returned))
+            for node, grad in zip(k_leaves, at_leaves)
+            if grad is not None
+        ],
         output_roots=[
-            OutputRoot(roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
+            OutputRoot(
+                roots[i].edge.node,
+                roots[i].edge.output_nr,
+                roots[i].grad,
+                shares_memory(roots[i].grad, returned),
+            )
             for i in graph.weight_only_outputs
             if i not in k_outputs
         ],

@@ -65,6 +65,7 @@ __all__ = [
     "add_grad",
     "deliver_as_ready",
     "leaf_grads",
+    "shares_memory",
 ]
 
 EdgeKey = tuple[Node, int]
@@ -88,20 +89,29 @@ class Kept(NamedTuple):
     """A leaf's gradient B already computed (on the weight side ``K`` it ran whole).
 
     W adds it to the leaf's total at the accumulator ``node``'s input
-    ``input_nr`` and never runs the nodes it came from again.
+    ``input_nr`` and never runs the nodes it came from again. ``aliased``: it
+    shares memory with an input gradient B returned (a custom Function's
+    backward may return one tensor for an input and a parameter), so W hands
+    hooks a copy, as for an intermediate's pass-through (:func:`add_grad`).
     """
 
     grad: torch.Tensor
     node: Node
     input_nr: int
+    aliased: bool = False
 
 
 class OutputRoot(NamedTuple):
-    """A weight-only stage output W starts from: its node, output number, and output gradient."""
+    """A weight-only stage output W starts from: its node, output number, and output gradient.
+
+    ``aliased``: the gradient shares memory with an input gradient B returned
+    (the same tensor given for an input-side output), so W hands hooks a copy.
+    """
 
     node: Node
     output_nr: int
     grad: torch.Tensor
+    aliased: bool = False
 
 
 class IntermediateFailed(Exception):
@@ -195,7 +205,7 @@ def add_grad(
     return False
 
 
-def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
+def shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
     if grad is None or not others:
         return False
     # Loops, not any() over generators: this runs for every edge of every W.
@@ -302,7 +312,7 @@ def _call_intermediates(
                 arrived = [g for g in grads if g is not None]
                 for output_index, target, target_nr in edges:
                     out = outputs[output_index]
-                    add(target, target_nr, out, _shares_memory(out, arrived))
+                    add(target, target_nr, out, shares_memory(out, arrived))
                     del out
                 # Nothing of this call outlives it: its gradients are freed once delivered.
                 del node, grads, edges, outputs, arrived
@@ -337,10 +347,10 @@ def leaf_grads(
     (they are the result).
     """
     sums = GradSums()
-    for node, nr, grad in output_roots:
-        add_grad(sums, node, nr, grad)
-    for grad, target, target_nr in kept:
-        add_grad(sums, target, target_nr, grad)
+    for node, nr, grad, aliased in output_roots:
+        add_grad(sums, node, nr, grad, aliased=aliased)
+    for grad, target, target_nr, aliased in kept:
+        add_grad(sums, target, target_nr, grad, aliased=aliased)
     if recorded:
         _call_intermediates(
             recorded,
@@ -548,10 +558,10 @@ def deliver_as_ready(
     # after every accumulator: W holds them through each component's pass and
     # queues them in one last pass.
     with deferred_callbacks({*weight_nodes, *leaves}) as held:
-        for node, nr, grad in output_roots:
-            add(node, nr, grad)
-        for grad, target, target_nr in kept:
-            add(target, target_nr, grad)
+        for node, nr, grad, aliased in output_roots:
+            add(node, nr, grad, aliased)
+        for grad, target, target_nr, aliased in kept:
+            add(target, target_nr, grad, aliased)
         # What needs no intermediate goes first: kept gradients are freed early.
         first = [c for c in members if c not in pending]
         if first:
