@@ -308,3 +308,61 @@ def test_hooks_packing_a_copy_leave_nothing_alive_after_w(split: bool) -> None:
     gc.collect()
     assert alive() is None
     assert w.grad is not None
+
+
+def _nested_callbacks(split: bool) -> list[tuple[str, torch.Tensor]]:
+    """Microbatch 1's backward run from a hook of microbatch 0's; a hook in it queues a callback."""
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    params = list(lin.parameters())
+    seen: list[tuple[str, torch.Tensor]] = []
+    inner = [False]
+
+    def queue(p: torch.Tensor) -> None:
+        if inner[0]:
+            Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+                lambda: seen.append(("callback", lin.weight.grad.clone()))  # type: ignore[union-attr]
+            )
+
+    lin.weight.register_post_accumulate_grad_hook(queue)
+    if split:
+        handoffs = [
+            stage_backward_input([torch.tanh(lin(x))], [g], [x], params)[1] for x, g in zip(xs, gs)
+        ]
+        outer, run_inner = (
+            lambda: stage_backward_weight(params, handoffs[0]),
+            lambda: stage_backward_weight(params, handoffs[1]),
+        )
+    else:
+        outs = [torch.tanh(lin(x)) for x in xs]
+        outer, run_inner = (
+            lambda: torch.autograd.backward([outs[0]], [gs[0]], inputs=params),
+            lambda: torch.autograd.backward([outs[1]], [gs[1]], inputs=params),
+        )
+
+    def on_bias(grad: torch.Tensor) -> None:
+        if not inner[0]:
+            inner[0] = True
+            run_inner()
+            seen.append(("inner done", lin.weight.grad.clone()))  # type: ignore[union-attr]
+
+    lin.bias.register_hook(on_bias)
+    outer()
+    return seen
+
+
+def test_callback_queued_in_a_w_nested_in_a_hook_of_another_w_runs_when_the_nested_w_ends() -> None:
+    """A W run from a hook of another W over the same parameters holds its own callbacks.
+
+    They run when it ends, as those of a backward nested in a hook do; the outer W held them
+    until its own end before, so a callback reading ``.grad`` saw the outer microbatch's too.
+    """
+    fused, split = _nested_callbacks(split=False), _nested_callbacks(split=True)
+    assert [name for name, _ in split] == [name for name, _ in fused]
+    assert [name for name, _ in fused] == ["callback", "inner done", "callback"]
+    for (_, a), (_, b) in zip(split, fused):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

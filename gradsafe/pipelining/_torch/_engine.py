@@ -59,6 +59,8 @@ class deferred_callbacks:  # noqa: N801 - a context manager, used as `with defer
     gradients, where a fused backward's callbacks run after: the caller queues
     the held callbacks from inside its delivery pass. A callback queued while
     any other node runs (another thread's backward) goes to the engine as usual.
+    Where W passes nest (a W run from a hook of another W, over the same
+    leaves), the innermost holds it.
 
     A class, not a generator-based context manager: W enters it once per call.
     """
@@ -151,7 +153,10 @@ class _Engine:
     def queue_callback(self, callback: Callable[[], None]) -> None:
         node = torch._C._current_autograd_node()
         if node is not None:
-            for nodes, held in tuple(_DEFERRING):
+            # Innermost first: a W run from a hook of another W over the same
+            # leaves (a later microbatch's) holds its own callbacks, which run
+            # when it ends, as a backward's nested in a hook do.
+            for nodes, held in tuple(reversed(_DEFERRING)):
                 if node in nodes:
                     held.append(callback)
                     return
