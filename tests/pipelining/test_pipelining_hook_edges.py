@@ -366,3 +366,71 @@ def test_callback_queued_in_a_w_nested_in_a_hook_of_another_w_runs_when_the_nest
     assert [name for name, _ in fused] == ["callback", "inner done", "callback"]
     for (_, a), (_, b) in zip(split, fused):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_w_holds_its_own_callbacks_while_another_thread_runs_a_w_over_a_tied_weight() -> None:
+    """Two stages sharing a weight, their Ws on two threads at once: each W runs its own callbacks.
+
+    Stage B's W starts first and waits in a hook until stage A's W (on another thread, over the
+    same tied weight) has started; the callback queued by the tied weight's hook in B's W must
+    run when B's W ends, on B's thread, not be held by A's W until A ends.
+    """
+    import threading
+
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    lins = {name: nn.Linear(4, 4).double() for name in "AB"}
+    params = {name: [tied, *lin.parameters()] for name, lin in lins.items()}
+    for p in (tied, *lins["A"].parameters(), *lins["B"].parameters()):
+        p.grad = torch.zeros_like(p)  # each component delivered as it is ready
+    handoffs = {}
+    for name, lin in lins.items():
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        out = lin(torch.tanh(x @ tied))
+        handoffs[name] = stage_backward_input([out], [torch.randn_like(out)], [x], params[name])[1]
+    ran: list[tuple[int, str]] = []
+    current = threading.local()
+    tied.register_post_accumulate_grad_hook(
+        lambda p: Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            lambda name=current.name: ran.append((threading.get_ident(), name))
+        )
+    )
+    b_waiting, a_waiting, b_done = threading.Event(), threading.Event(), threading.Event()
+    returned: dict[str, list[tuple[int, str]]] = {}
+    errors: list[BaseException] = []
+
+    def block(mine: threading.Event, other: threading.Event) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            mine.set()
+            if not other.wait(timeout=30):
+                errors.append(TimeoutError("the other W never got there"))
+
+        return hook
+
+    lins["B"].weight.register_hook(block(b_waiting, a_waiting))  # delivered before the tied weight
+    lins["A"].weight.register_hook(block(a_waiting, b_done))
+
+    def w(name: str) -> None:
+        current.name = name
+        try:
+            if name == "A" and not b_waiting.wait(timeout=30):
+                raise TimeoutError("B's W never started")
+            stage_backward_weight(params[name], handoffs[name])
+            returned[name] = list(ran)
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+        finally:
+            if name == "B":
+                b_done.set()
+
+    threads = {name: threading.Thread(target=w, args=(name,)) for name in "BA"}
+    for t in threads.values():
+        t.start()
+    for t in threads.values():
+        t.join(timeout=60)
+    assert not errors, errors
+    b_thread = threads["B"].ident
+    assert (b_thread, "B") in returned["B"], "B's callback had not run when B's W returned"
+    assert ran.count((b_thread, "B")) == 1 and [n for _, n in ran].count("A") == 1
