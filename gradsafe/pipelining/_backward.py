@@ -220,27 +220,30 @@ def _records_for_w(
         grads, versions = captured.get(item.node, ((), ()))
         if item not in in_b and _any_grad(grads):
             recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
-    # A gradient W starts from that is also an input gradient B returned (a
-    # custom Function's backward may return one tensor for an input and a
-    # parameter) reaches W's hooks only as a copy: one that modifies its
-    # argument in place must not change what B returned.
-    returned = [d for d in dinputs if d is not None]
+    kept = [(node, grad) for node, grad in zip(k_leaves, at_leaves) if grad is not None]
+    outputs = [i for i in graph.weight_only_outputs if i not in k_outputs]
+    # A gradient W starts from that is also an input gradient B returned, or
+    # what arrived at an intermediate W calls (a custom Function's backward may
+    # return one tensor for an input and a parameter), reaches W's hooks only
+    # as a copy: one that modifies its argument in place must change neither
+    # what B returned nor what W's later calls read. Gathered only for a stage
+    # with such gradients.
+    held: list[torch.Tensor] = []
+    if kept or outputs:
+        held = [d for d in dinputs if d is not None]
+        for rec in recorded:
+            held += [g for g in rec.grads if g is not None]
     return _WRecords(
         recorded=recorded,
-        kept=[
-            Kept(grad, node, 0, shares_memory(grad, returned))
-            for node, grad in zip(k_leaves, at_leaves)
-            if grad is not None
-        ],
+        kept=[Kept(grad, node, 0, shares_memory(grad, held)) for node, grad in kept],
         output_roots=[
             OutputRoot(
                 roots[i].edge.node,
                 roots[i].edge.output_nr,
                 roots[i].grad,
-                shares_memory(roots[i].grad, returned),
+                shares_memory(roots[i].grad, held),
             )
-            for i in graph.weight_only_outputs
-            if i not in k_outputs
+            for i in outputs
         ],
     )
 

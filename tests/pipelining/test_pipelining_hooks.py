@@ -678,3 +678,48 @@ def test_output_gradient_shared_with_b_input_gradient_is_not_changed_by_a_mutati
     stage_backward_weight([w], handoff)
     torch.testing.assert_close(dx, before, rtol=0, atol=0)
     torch.testing.assert_close(w.grad, want_w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shared", ["kept by B", "an output gradient"])
+def test_gradient_w_reads_later_is_not_changed_by_a_hook_mutating_one_it_shares_memory_with(
+    shared: str,
+) -> None:
+    """What arrived at an intermediate in B is what W calls it on, whatever a hook did to an alias.
+
+    ``x @ w`` receives the same tensor as ``r``: through ``_PassThrough`` (B keeps ``r``'s
+    gradient for W), or as the output gradient also given for the weight-only output
+    ``r.view(...)``. W delivers ``r``'s gradient (into a ``.grad`` it holds) before it calls
+    ``x @ w``'s node, so a hook on
+    ``r`` that multiplies its argument in place changed ``w``'s gradient (a fused backward lets
+    it reach whichever branch its engine runs later; torch's hook contract forbids it). The
+    split acts as if the hook returned the modified copy: the fused gradients with that hook.
+    """
+
+    def run(split: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 4))
+        r = nn.Parameter(torch.randn(3, 4))
+        if split:
+            r.register_hook(lambda t: (t.mul_(3), None)[1])
+        else:
+            r.register_hook(lambda t: t * 3)
+        # .grad held: W delivers each parameter's gradient as soon as it is final.
+        w.grad, r.grad = torch.zeros_like(w), torch.zeros_like(r)
+        x = torch.randn(3, 4, requires_grad=True)
+        g = torch.randn(3, 4)
+        if shared == "kept by B":
+            outs, grads = [_PassThrough.apply(x @ w, r)], [g]
+        else:
+            outs, grads = [x @ w, r.view(12).view(3, 4)], [g, g]
+        if not split:
+            torch.autograd.backward(outs, grads)
+            return [w.grad, r.grad, x.grad]  # type: ignore[list-item]
+        (dx,), handoff = stage_backward_input(outs, grads, [x], [w, r])
+        assert dx is not None
+        before = dx.clone()
+        stage_backward_weight([w, r], handoff)
+        torch.testing.assert_close(dx, before, rtol=0, atol=0)
+        return [w.grad, r.grad, dx]  # type: ignore[list-item]
+
+    for got, want in zip(run(split=True), run(split=False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
