@@ -45,7 +45,7 @@ from gradsafe.pipelining._torch import (
     silenced_tensor_hooks,
     version,
 )
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded, shares_memory
+from gradsafe.pipelining._weight_pass import Kept, MemoryOf, OutputRoot, Recorded
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -233,15 +233,16 @@ def _records_for_w(
         held = [d for d in dinputs if d is not None]
         for rec in recorded:
             held += [g for g in rec.grads if g is not None]
+    memory = MemoryOf(held)
     return _WRecords(
         recorded=recorded,
-        kept=[Kept(grad, node, 0, shares_memory(grad, held)) for node, grad in kept],
+        kept=[Kept(grad, node, 0, memory.shared_by(grad)) for node, grad in kept],
         output_roots=[
             OutputRoot(
                 roots[i].edge.node,
                 roots[i].edge.output_nr,
                 roots[i].grad,
-                shares_memory(roots[i].grad, held),
+                memory.shared_by(roots[i].grad),
             )
             for i in outputs
         ],

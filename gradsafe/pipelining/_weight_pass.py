@@ -64,6 +64,7 @@ __all__ = [
     "WeightEdge",
     "add_grad",
     "deliver_as_ready",
+    "MemoryOf",
     "leaf_grads",
     "shares_memory",
 ]
@@ -203,6 +204,27 @@ def add_grad(
     sums[key] = total
     sums.owned[key] = weakref.ref(total)
     return False
+
+
+class MemoryOf:
+    """The memory of a set of tensors, to test many others against at once (:meth:`shared_by`).
+
+    Built once over B's returned and recorded gradients, then asked once per
+    kept or output gradient: linear in both, where :func:`shares_memory` per
+    gradient would be their product (a checkpointed stage keeps hundreds).
+    """
+
+    __slots__ = ("_ids", "_pointers")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._ids = {id(t) for t in tensors}
+        self._pointers = {p for p in map(_storage_pointer, tensors) if p is not None}
+
+    def shared_by(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is one of the tensors or shares a storage with one."""
+        if id(grad) in self._ids:
+            return True
+        return bool(self._pointers) and _storage_pointer(grad) in self._pointers
 
 
 def shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
