@@ -16,6 +16,7 @@ import torch
 from _hook_split import Forward
 from _hook_split import assert_same as _assert_same
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
 
@@ -434,3 +435,52 @@ def test_a_w_holds_its_own_callbacks_while_another_thread_runs_a_w_over_a_tied_w
     b_thread = threads["B"].ident
     assert (b_thread, "B") in returned["B"], "B's callback had not run when B's W returned"
     assert ran.count((b_thread, "B")) == 1 and [n for _, n in ran].count("A") == 1
+
+
+def test_w_on_another_thread_runs_a_tied_weights_hooks_while_b_captures_its_gradient() -> None:
+    """B silences the hooks of the parameters whose gradient it captures (checkpointed stage);
+    another thread's W delivering one of them (a tied weight) meanwhile still runs them.
+
+    Stage A's B blocks in a hook inside its engine call, where it captures the tied weight's
+    gradient; stage B's W, run then on the main thread, delivers the tied weight: its tensor
+    hook (x2) ran in neither, so ``.grad`` was half a fused backward's.
+    """
+    import threading
+
+    def run(concurrent: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        calls: list[int] = []
+        tied.register_hook(lambda g: (calls.append(1), g * 2)[1])
+        lins = [nn.Linear(4, 4).double() for _ in range(2)]
+        xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+        params = [[tied, *lin.parameters()] for lin in lins]
+        plain = lins[1](torch.tanh(xs[1] @ tied))
+        _, plain_handoff = stage_backward_input([plain], [gs[1]], [xs[1]], params[1])
+        inside, release = threading.Event(), threading.Event()
+        hidden = lins[0](xs[0])
+        if concurrent:
+            hidden.register_hook(lambda g: (inside.set(), release.wait(30), None)[2])
+        out = checkpoint(lambda t: torch.tanh(t @ tied), hidden, use_reentrant=False)
+        handoffs: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: handoffs.append(
+                stage_backward_input([out], [gs[0]], [xs[0]], params[0])[1]
+            )
+        )
+        thread.start()
+        try:
+            assert not concurrent or inside.wait(30), "B never reached its hook"
+            stage_backward_weight(params[1], plain_handoff)  # while B captures, if concurrent
+            delivered, hook_calls = tied.grad.clone(), len(calls)  # type: ignore[union-attr]
+        finally:
+            release.set()
+            thread.join(30)
+        assert handoffs and handoffs[0].num_kept > 0  # B kept the tied weight's gradient
+        return delivered, hook_calls
+
+    alone, calls_alone = run(concurrent=False)
+    meanwhile, calls_meanwhile = run(concurrent=True)
+    assert calls_meanwhile == calls_alone == 1
+    torch.testing.assert_close(meanwhile, alone, rtol=0, atol=0)

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import sys
+import threading
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -40,18 +41,32 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     the leaf's gradient yet (W delivers it, and its hooks run then, once).
     The engine reads a leaf's hooks from the dict installed as its
     ``_backward_hooks`` (a snapshot of its values per call), so each leaf gets
-    an empty stand-in for the duration: nothing runs at the capture, even a
-    hook registered on the leaf meanwhile by another hook (``register_hook``
+    a stand-in for the duration: nothing runs at the capture, even a hook
+    registered on the leaf meanwhile by another hook (``register_hook``
     writes into the stand-in, which holds it aside). Afterwards the leaf's own
     dict is back, with those hooks added, and the stand-in forwards their
     handles' ``remove()`` there. A hook removed meanwhile from the leaf's own
     dict stays removed.
+
+    The stand-in is the leaf's for every thread, so it holds the leaf's hooks,
+    each silent only in a backward that captures the leaf on the calling
+    thread (or on one of autograd's device threads, which run its nodes): a W
+    delivering the leaf meanwhile (another thread's over a tied weight, or one
+    run from a hook inside the capture) runs them as usual.
     """
     installed: list[tuple[torch.Tensor, Any, _HeldHooks]] = []
+    thread = threading.get_ident()
     try:
         for leaf in leaves:
+            own = leaf._backward_hooks
             stand_in = _HeldHooks()
-            installed.append((leaf, leaf._backward_hooks, stand_in))
+            if own:
+                node = get_gradient_edge(leaf).node
+                for key, hook in own.items():
+                    collections.OrderedDict.__setitem__(
+                        stand_in, key, _SilentAtCapture(hook, node, thread)
+                    )
+            installed.append((leaf, own, stand_in))
             leaf._backward_hooks = stand_in
         yield
     finally:
@@ -65,12 +80,33 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
             leaf._backward_hooks = own
 
 
+class _SilentAtCapture:
+    """A leaf's hook in its stand-in: nothing in a backward of ``thread`` (or of a device
+    thread) that captures the leaf at ``node``, the hook itself in any other."""
+
+    __slots__ = ("hook", "node", "thread")
+
+    def __init__(self, hook: Any, node: Node, thread: int) -> None:
+        self.hook, self.node, self.thread = hook, node, thread
+
+    def __call__(self, grad: torch.Tensor) -> Any:
+        if threading.get_ident() == self.thread or isinstance(
+            threading.current_thread(), threading._DummyThread
+        ):
+            try:
+                torch._C._will_engine_execute_node(self.node)  # type: ignore[arg-type]
+            except RuntimeError:  # the engine's answer for a leaf autograd.grad captures
+                return None
+        return self.hook(grad)
+
+
 class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
     """A leaf's stand-in hook dict during a capture; see :func:`silenced_tensor_hooks`.
 
-    Its own storage (what the engine reads) stays empty; what ``register_hook``
-    and ``RemovableHandle.remove`` do goes to ``held``, then to ``home`` (the
-    leaf's own dict) once the capture is over.
+    Its own storage (what the engine reads) holds the leaf's hooks, silent at
+    the capture; Python sees it empty, as code that inspects a leaf's hooks
+    did before. What ``register_hook`` and ``RemovableHandle.remove`` do goes
+    to ``held``, then to ``home`` (the leaf's own dict) once the capture is over.
     """
 
     def __init__(self) -> None:
@@ -89,6 +125,24 @@ class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
 
     def __delitem__(self, key: Any) -> None:
         del self._target()[key]
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def keys(self) -> Any:
+        return {}.keys()
+
+    def values(self) -> Any:
+        return {}.values()
+
+    def items(self) -> Any:
+        return {}.items()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return default
 
 
 # Stand-ins that held hooks, per leaf: those hooks' handles refer to them weakly.
