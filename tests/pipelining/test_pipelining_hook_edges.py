@@ -484,3 +484,66 @@ def test_w_on_another_thread_runs_a_tied_weights_hooks_while_b_captures_its_grad
     meanwhile, calls_meanwhile = run(concurrent=True)
     assert calls_meanwhile == calls_alone == 1
     torch.testing.assert_close(meanwhile, alone, rtol=0, atol=0)
+
+
+def test_two_threads_capturing_a_tied_weight_at_once_leave_its_hooks_in_place() -> None:
+    """Two checkpointed stages sharing a weight, their Bs on two threads, overlapping.
+
+    Each B silences the weight's hooks while it captures its gradient. B on thread 1 starts,
+    B on thread 2 starts, thread 1 ends first: the weight's hooks must be its own again once
+    both are done (thread 2 put back what it found, thread 1's stand-in: the hook was gone
+    for good), and each W runs the hook once, as two fused backwards do.
+    """
+    import threading
+
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    tied.register_hook(lambda g: g * 2)
+    own_hooks = tied._backward_hooks
+    lins = [nn.Linear(4, 4).double() for _ in range(2)]
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    params = [[tied, *lin.parameters()] for lin in lins]
+
+    def forward(i: int) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(t @ tied), lins[i](xs[i]), use_reentrant=False)
+
+    for i in range(2):  # the fused reference
+        forward(i).backward(gs[i])
+    want = tied.grad.clone()  # type: ignore[union-attr]
+    tied.grad = None
+    for p in (*lins[0].parameters(), *lins[1].parameters()):
+        p.grad = None
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    outs = [forward(0), forward(1)]
+    hidden_hooks = [
+        lambda g: (first_in.set(), second_in.wait(30), None)[2],
+        lambda g: (second_in.set(), first_out.wait(30), None)[2],
+    ]
+    handoffs: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def b(i: int) -> None:
+        try:
+            if i == 1 and not first_in.wait(30):
+                raise TimeoutError("the first B never started")
+            outs[i].grad_fn.register_prehook(lambda grads: hidden_hooks[i](grads[0]))  # type: ignore[union-attr]
+            handoffs[i] = stage_backward_input([outs[i]], [gs[i]], [xs[i]], params[i])[1]
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if i == 0:
+                first_out.set()
+
+    threads = [threading.Thread(target=b, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert handoffs[0].num_kept > 0 and handoffs[1].num_kept > 0
+    assert tied._backward_hooks is own_hooks
+    for i in range(2):
+        stage_backward_weight(params[i], handoffs[i])
+    torch.testing.assert_close(tied.grad, want, rtol=0, atol=1e-12)

@@ -49,48 +49,78 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     dict stays removed.
 
     The stand-in is the leaf's for every thread, so it holds the leaf's hooks,
-    each silent only in a backward that captures the leaf on the calling
-    thread (or on one of autograd's device threads, which run its nodes): a W
-    delivering the leaf meanwhile (another thread's over a tied weight, or one
-    run from a hook inside the capture) runs them as usual.
+    each silent only in a backward that captures the leaf on a thread inside
+    this context (or on one of autograd's device threads, which run its
+    nodes): a W delivering the leaf meanwhile (another thread's over a tied
+    weight, or one run from a hook inside the capture) runs them as usual.
+    Threads whose captures overlap on a leaf share its stand-in; the last to
+    leave puts the leaf's own dict back.
     """
-    installed: list[tuple[torch.Tensor, Any, _HeldHooks]] = []
-    thread = threading.get_ident()
+    me = threading.get_ident()
+    entered: list[torch.Tensor] = []
     try:
         for leaf in leaves:
-            own = leaf._backward_hooks
-            stand_in = _HeldHooks()
-            if own:
-                node = get_gradient_edge(leaf).node
-                for key, hook in own.items():
-                    collections.OrderedDict.__setitem__(
-                        stand_in, key, _SilentAtCapture(hook, node, thread)
-                    )
-            installed.append((leaf, own, stand_in))
-            leaf._backward_hooks = stand_in
+            with _WINDOWS_LOCK:
+                window = _WINDOWS.get(leaf)
+                if window is None:
+                    window = _WINDOWS[leaf] = _Window(leaf)
+                window.threads.append(me)
+            entered.append(leaf)
         yield
     finally:
-        for leaf, own, stand_in in installed:
-            if stand_in.held:
-                if own is None:
-                    own = collections.OrderedDict()
-                own.update(stand_in.held)
-                stand_in.home = own
-                _STAND_INS.setdefault(leaf, []).append(stand_in)  # their handles refer to it
-            leaf._backward_hooks = own
+        with _WINDOWS_LOCK:
+            for leaf in entered:
+                window = _WINDOWS[leaf]
+                window.threads.remove(me)
+                if not window.threads:
+                    del _WINDOWS[leaf]
+                    window.close()
+
+
+class _Window:
+    """One leaf's silenced span: its own hook dict, the stand-in installed instead, and the
+    threads capturing inside it (one entry per entry into :func:`silenced_tensor_hooks`)."""
+
+    def __init__(self, leaf: torch.Tensor) -> None:
+        self.leaf, self.own = leaf, leaf._backward_hooks
+        self.threads: list[int] = []
+        self.stand_in = _HeldHooks()
+        if self.own:
+            node = get_gradient_edge(leaf).node
+            for key, hook in self.own.items():
+                collections.OrderedDict.__setitem__(
+                    self.stand_in, key, _SilentAtCapture(hook, node, self.threads)
+                )
+        leaf._backward_hooks = self.stand_in
+
+    def close(self) -> None:
+        """Put the leaf's own dict back, with the hooks registered meanwhile."""
+        own, stand_in = self.own, self.stand_in
+        if stand_in.held:
+            if own is None:
+                own = collections.OrderedDict()
+            own.update(stand_in.held)
+            stand_in.home = own
+            _STAND_INS.setdefault(self.leaf, []).append(stand_in)  # their handles refer to it
+        self.leaf._backward_hooks = own
+
+
+# The leaves whose hooks are silenced now, across threads.
+_WINDOWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WINDOWS_LOCK = threading.Lock()
 
 
 class _SilentAtCapture:
-    """A leaf's hook in its stand-in: nothing in a backward of ``thread`` (or of a device
-    thread) that captures the leaf at ``node``, the hook itself in any other."""
+    """A leaf's hook in its stand-in: nothing in a backward of one of ``threads`` (or of a
+    device thread) that captures the leaf at ``node``, the hook itself in any other."""
 
-    __slots__ = ("hook", "node", "thread")
+    __slots__ = ("hook", "node", "threads")
 
-    def __init__(self, hook: Any, node: Node, thread: int) -> None:
-        self.hook, self.node, self.thread = hook, node, thread
+    def __init__(self, hook: Any, node: Node, threads: list[int]) -> None:
+        self.hook, self.node, self.threads = hook, node, threads
 
     def __call__(self, grad: torch.Tensor) -> Any:
-        if threading.get_ident() == self.thread or isinstance(
+        if threading.get_ident() in self.threads or isinstance(
             threading.current_thread(), threading._DummyThread
         ):
             try:
