@@ -57,23 +57,22 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     leave puts the leaf's own dict back.
     """
     me = threading.get_ident()
-    entered: list[torch.Tensor] = []
+    entered: list[_Window] = []
     try:
-        for leaf in leaves:
-            with _WINDOWS_LOCK:
-                window = _WINDOWS.get(leaf)
+        with _WINDOWS_LOCK:
+            for leaf in leaves:
+                window = _WINDOWS.get(id(leaf))
                 if window is None:
-                    window = _WINDOWS[leaf] = _Window(leaf)
+                    window = _WINDOWS[id(leaf)] = _Window(leaf)
                 window.threads.append(me)
-            entered.append(leaf)
+                entered.append(window)
         yield
     finally:
         with _WINDOWS_LOCK:
-            for leaf in entered:
-                window = _WINDOWS[leaf]
+            for window in entered:
                 window.threads.remove(me)
                 if not window.threads:
-                    del _WINDOWS[leaf]
+                    del _WINDOWS[id(window.leaf)]
                     window.close()
 
 
@@ -105,8 +104,9 @@ class _Window:
         self.leaf._backward_hooks = own
 
 
-# The leaves whose hooks are silenced now, across threads.
-_WINDOWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The leaves whose hooks are silenced now, across threads, by id (a window holds its
+# leaf, so the id is not reused while it is open; it is dropped when the last thread leaves).
+_WINDOWS: dict[int, _Window] = {}
 _WINDOWS_LOCK = threading.Lock()
 
 
