@@ -58,15 +58,14 @@ __all__ = [
     "GradSums",
     "IntermediateFailed",
     "Kept",
+    "MemoryOf",
     "OutputRoot",
     "Progress",
     "Recorded",
     "WeightEdge",
     "add_grad",
     "deliver_as_ready",
-    "MemoryOf",
     "leaf_grads",
-    "shares_memory",
 ]
 
 EdgeKey = tuple[Node, int]
@@ -91,9 +90,10 @@ class Kept(NamedTuple):
 
     W adds it to the leaf's total at the accumulator ``node``'s input
     ``input_nr`` and never runs the nodes it came from again. ``aliased``: it
-    shares memory with an input gradient B returned (a custom Function's
-    backward may return one tensor for an input and a parameter), so W hands
-    hooks a copy, as for an intermediate's pass-through (:func:`add_grad`).
+    shares memory with an input gradient B returned or with what arrived at an
+    intermediate W calls (a custom Function's backward may return one tensor
+    for an input and a parameter), so W hands hooks a copy, as for an
+    intermediate's pass-through (:func:`add_grad`).
     """
 
     grad: torch.Tensor
@@ -106,7 +106,8 @@ class OutputRoot(NamedTuple):
     """A weight-only stage output W starts from: its node, output number, and output gradient.
 
     ``aliased``: the gradient shares memory with an input gradient B returned
-    (the same tensor given for an input-side output), so W hands hooks a copy.
+    or with what arrived at an intermediate W calls (the same tensor given for
+    an input-side output), so W hands hooks a copy.
     """
 
     node: Node
@@ -210,7 +211,7 @@ class MemoryOf:
     """The memory of a set of tensors, to test many others against at once (:meth:`shared_by`).
 
     Built once over B's returned and recorded gradients, then asked once per
-    kept or output gradient: linear in both, where :func:`shares_memory` per
+    kept or output gradient: linear in both, where :func:`_shares_memory` per
     gradient would be their product (a checkpointed stage keeps hundreds).
     """
 
@@ -227,7 +228,7 @@ class MemoryOf:
         return bool(self._pointers) and _storage_pointer(grad) in self._pointers
 
 
-def shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
+def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
     if grad is None or not others:
         return False
     # Loops, not any() over generators: this runs for every edge of every W.
@@ -334,7 +335,7 @@ def _call_intermediates(
                 arrived = [g for g in grads if g is not None]
                 for output_index, target, target_nr in edges:
                     out = outputs[output_index]
-                    add(target, target_nr, out, shares_memory(out, arrived))
+                    add(target, target_nr, out, _shares_memory(out, arrived))
                     del out
                 # Nothing of this call outlives it: its gradients are freed once delivered.
                 del node, grads, edges, outputs, arrived
