@@ -45,7 +45,7 @@ from gradsafe.pipelining._torch import (
     silenced_tensor_hooks,
     version,
 )
-from gradsafe.pipelining._weight_pass import Kept, OutputRoot, Recorded
+from gradsafe.pipelining._weight_pass import Kept, MemoryOf, OutputRoot, Recorded
 from gradsafe.pipelining._weight_side import entered, group_for, weight_parts_in_b
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -191,7 +191,7 @@ def _stage_backward_input(
     w_nodes = [n for n in graph.weight_nodes if n not in in_k]
     keep, later = _detach_outputs(roots, graph, w_nodes, input_values)
     handoff = WeightGradHandoff(
-        **_records_for_w(graph, roots, captured, in_b, k_leaves, at_leaves, k_outputs),
+        **_records_for_w(graph, roots, captured, in_b, k_leaves, at_leaves, k_outputs, dinputs),
         weight_nodes=w_nodes,
         leaf_nodes=list(graph.leaves),
         leaves=list(graph.leaves.values()),
@@ -212,6 +212,7 @@ def _records_for_w(
     k_leaves: Sequence[Node],
     at_leaves: Sequence[torch.Tensor | None],
     k_outputs: set[int],
+    dinputs: Sequence[torch.Tensor | None],
 ) -> _WRecords:
     """What W starts from: the intermediates it calls again, ``K``'s kept leaf gradients, the weight-only outputs."""
     recorded = []
@@ -219,13 +220,31 @@ def _records_for_w(
         grads, versions = captured.get(item.node, ((), ()))
         if item not in in_b and _any_grad(grads):
             recorded.append(Recorded(item.node, grads, item.weight_edges, versions))
+    kept = [(node, grad) for node, grad in zip(k_leaves, at_leaves) if grad is not None]
+    outputs = [i for i in graph.weight_only_outputs if i not in k_outputs]
+    # A gradient W starts from that is also an input gradient B returned, or
+    # what arrived at an intermediate W calls (a custom Function's backward may
+    # return one tensor for an input and a parameter), reaches W's hooks only
+    # as a copy: one that modifies its argument in place must change neither
+    # what B returned nor what W's later calls read. Gathered only for a stage
+    # with such gradients.
+    held: list[torch.Tensor] = []
+    if kept or outputs:
+        held = [d for d in dinputs if d is not None]
+        for rec in recorded:
+            held += [g for g in rec.grads if g is not None]
+    memory = MemoryOf(held)
     return _WRecords(
         recorded=recorded,
-        kept=[Kept(grad, node, 0) for node, grad in zip(k_leaves, at_leaves) if grad is not None],
+        kept=[Kept(grad, node, 0, memory.shared_by(grad)) for node, grad in kept],
         output_roots=[
-            OutputRoot(roots[i].edge.node, roots[i].edge.output_nr, roots[i].grad)
-            for i in graph.weight_only_outputs
-            if i not in k_outputs
+            OutputRoot(
+                roots[i].edge.node,
+                roots[i].edge.output_nr,
+                roots[i].grad,
+                memory.shared_by(roots[i].grad),
+            )
+            for i in outputs
         ],
     )
 

@@ -212,7 +212,7 @@ class WeightGradHandoff:
         #: Parameters (leaves) whose gradient B already computed and kept for W.
         self.num_kept = len(self._kept)
         #: Bytes of those kept gradients, held from B until W.
-        self.kept_bytes = sum(g.numel() * g.element_size() for g, _, _ in self._kept)
+        self.kept_bytes = sum(k.grad.numel() * k.grad.element_size() for k in self._kept)
 
     @property
     def state(self) -> HandoffState:

@@ -58,6 +58,7 @@ __all__ = [
     "GradSums",
     "IntermediateFailed",
     "Kept",
+    "MemoryOf",
     "OutputRoot",
     "Progress",
     "Recorded",
@@ -88,20 +89,31 @@ class Kept(NamedTuple):
     """A leaf's gradient B already computed (on the weight side ``K`` it ran whole).
 
     W adds it to the leaf's total at the accumulator ``node``'s input
-    ``input_nr`` and never runs the nodes it came from again.
+    ``input_nr`` and never runs the nodes it came from again. ``aliased``: it
+    shares memory with an input gradient B returned or with what arrived at an
+    intermediate W calls (a custom Function's backward may return one tensor
+    for an input and a parameter), so W hands hooks a copy, as for an
+    intermediate's pass-through (:func:`add_grad`).
     """
 
     grad: torch.Tensor
     node: Node
     input_nr: int
+    aliased: bool = False
 
 
 class OutputRoot(NamedTuple):
-    """A weight-only stage output W starts from: its node, output number, and output gradient."""
+    """A weight-only stage output W starts from: its node, output number, and output gradient.
+
+    ``aliased``: the gradient shares memory with an input gradient B returned
+    or with what arrived at an intermediate W calls (the same tensor given for
+    an input-side output), so W hands hooks a copy.
+    """
 
     node: Node
     output_nr: int
     grad: torch.Tensor
+    aliased: bool = False
 
 
 class IntermediateFailed(Exception):
@@ -193,6 +205,27 @@ def add_grad(
     sums[key] = total
     sums.owned[key] = weakref.ref(total)
     return False
+
+
+class MemoryOf:
+    """The memory of a set of tensors, to test many others against at once (:meth:`shared_by`).
+
+    Built once over B's returned and recorded gradients, then asked once per
+    kept or output gradient: linear in both, where :func:`_shares_memory` per
+    gradient would be their product (a checkpointed stage keeps hundreds).
+    """
+
+    __slots__ = ("_ids", "_pointers")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._ids = {id(t) for t in tensors}
+        self._pointers = {p for p in map(_storage_pointer, tensors) if p is not None}
+
+    def shared_by(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is one of the tensors or shares a storage with one."""
+        if id(grad) in self._ids:
+            return True
+        return bool(self._pointers) and _storage_pointer(grad) in self._pointers
 
 
 def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
@@ -337,10 +370,10 @@ def leaf_grads(
     (they are the result).
     """
     sums = GradSums()
-    for node, nr, grad in output_roots:
-        add_grad(sums, node, nr, grad)
-    for grad, target, target_nr in kept:
-        add_grad(sums, target, target_nr, grad)
+    for node, nr, grad, aliased in output_roots:
+        add_grad(sums, node, nr, grad, aliased=aliased)
+    for grad, target, target_nr, aliased in kept:
+        add_grad(sums, target, target_nr, grad, aliased=aliased)
     if recorded:
         _call_intermediates(
             recorded,
@@ -548,10 +581,10 @@ def deliver_as_ready(
     # after every accumulator: W holds them through each component's pass and
     # queues them in one last pass.
     with deferred_callbacks({*weight_nodes, *leaves}) as held:
-        for node, nr, grad in output_roots:
-            add(node, nr, grad)
-        for grad, target, target_nr in kept:
-            add(target, target_nr, grad)
+        for node, nr, grad, aliased in output_roots:
+            add(node, nr, grad, aliased)
+        for grad, target, target_nr, aliased in kept:
+            add(target, target_nr, grad, aliased)
         # What needs no intermediate goes first: kept gradients are freed early.
         first = [c for c in members if c not in pending]
         if first:

@@ -16,6 +16,7 @@ import torch
 from _hook_split import Forward
 from _hook_split import assert_same as _assert_same
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
 
@@ -308,3 +309,241 @@ def test_hooks_packing_a_copy_leave_nothing_alive_after_w(split: bool) -> None:
     gc.collect()
     assert alive() is None
     assert w.grad is not None
+
+
+def _nested_callbacks(split: bool) -> list[tuple[str, torch.Tensor]]:
+    """Microbatch 1's backward run from a hook of microbatch 0's; a hook in it queues a callback."""
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    params = list(lin.parameters())
+    seen: list[tuple[str, torch.Tensor]] = []
+    inner = [False]
+
+    def queue(p: torch.Tensor) -> None:
+        if inner[0]:
+            Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+                lambda: seen.append(("callback", lin.weight.grad.clone()))  # type: ignore[union-attr]
+            )
+
+    lin.weight.register_post_accumulate_grad_hook(queue)
+    if split:
+        handoffs = [
+            stage_backward_input([torch.tanh(lin(x))], [g], [x], params)[1] for x, g in zip(xs, gs)
+        ]
+        outer, run_inner = (
+            lambda: stage_backward_weight(params, handoffs[0]),
+            lambda: stage_backward_weight(params, handoffs[1]),
+        )
+    else:
+        outs = [torch.tanh(lin(x)) for x in xs]
+        outer, run_inner = (
+            lambda: torch.autograd.backward([outs[0]], [gs[0]], inputs=params),
+            lambda: torch.autograd.backward([outs[1]], [gs[1]], inputs=params),
+        )
+
+    def on_bias(grad: torch.Tensor) -> None:
+        if not inner[0]:
+            inner[0] = True
+            run_inner()
+            seen.append(("inner done", lin.weight.grad.clone()))  # type: ignore[union-attr]
+
+    lin.bias.register_hook(on_bias)
+    outer()
+    return seen
+
+
+def test_callback_queued_in_a_w_nested_in_a_hook_of_another_w_runs_when_the_nested_w_ends() -> None:
+    """A W run from a hook of another W over the same parameters holds its own callbacks.
+
+    They run when it ends, as those of a backward nested in a hook do; the outer W held them
+    until its own end before, so a callback reading ``.grad`` saw the outer microbatch's too.
+    """
+    fused, split = _nested_callbacks(split=False), _nested_callbacks(split=True)
+    assert [name for name, _ in split] == [name for name, _ in fused]
+    assert [name for name, _ in fused] == ["callback", "inner done", "callback"]
+    for (_, a), (_, b) in zip(split, fused):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_w_holds_its_own_callbacks_while_another_thread_runs_a_w_over_a_tied_weight() -> None:
+    """Two stages sharing a weight, their Ws on two threads at once: each W runs its own callbacks.
+
+    Stage B's W starts first and waits in a hook until stage A's W (on another thread, over the
+    same tied weight) has started; the callback queued by the tied weight's hook in B's W must
+    run when B's W ends, on B's thread, not be held by A's W until A ends.
+    """
+    import threading
+
+    from torch.autograd import Variable
+
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    lins = {name: nn.Linear(4, 4).double() for name in "AB"}
+    params = {name: [tied, *lin.parameters()] for name, lin in lins.items()}
+    for p in (tied, *lins["A"].parameters(), *lins["B"].parameters()):
+        p.grad = torch.zeros_like(p)  # each component delivered as it is ready
+    handoffs = {}
+    for name, lin in lins.items():
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        out = lin(torch.tanh(x @ tied))
+        handoffs[name] = stage_backward_input([out], [torch.randn_like(out)], [x], params[name])[1]
+    ran: list[tuple[int, str]] = []
+    current = threading.local()
+    tied.register_post_accumulate_grad_hook(
+        lambda p: Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            lambda name=current.name: ran.append((threading.get_ident(), name))
+        )
+    )
+    b_waiting, a_waiting, b_done = threading.Event(), threading.Event(), threading.Event()
+    returned: dict[str, list[tuple[int, str]]] = {}
+    errors: list[BaseException] = []
+
+    def block(mine: threading.Event, other: threading.Event) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            mine.set()
+            if not other.wait(timeout=30):
+                errors.append(TimeoutError("the other W never got there"))
+
+        return hook
+
+    lins["B"].weight.register_hook(block(b_waiting, a_waiting))  # delivered before the tied weight
+    lins["A"].weight.register_hook(block(a_waiting, b_done))
+
+    def w(name: str) -> None:
+        current.name = name
+        try:
+            if name == "A" and not b_waiting.wait(timeout=30):
+                raise TimeoutError("B's W never started")
+            stage_backward_weight(params[name], handoffs[name])
+            returned[name] = list(ran)
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+        finally:
+            if name == "B":
+                b_done.set()
+
+    threads = {name: threading.Thread(target=w, args=(name,)) for name in "BA"}
+    for t in threads.values():
+        t.start()
+    for t in threads.values():
+        t.join(timeout=60)
+    assert not errors, errors
+    b_thread = threads["B"].ident
+    assert (b_thread, "B") in returned["B"], "B's callback had not run when B's W returned"
+    assert ran.count((b_thread, "B")) == 1 and [n for _, n in ran].count("A") == 1
+
+
+def test_w_on_another_thread_runs_a_tied_weights_hooks_while_b_captures_its_gradient() -> None:
+    """B silences the hooks of the parameters whose gradient it captures (checkpointed stage);
+    another thread's W delivering one of them (a tied weight) meanwhile still runs them.
+
+    Stage A's B blocks in a hook inside its engine call, where it captures the tied weight's
+    gradient; stage B's W, run then on the main thread, delivers the tied weight: its tensor
+    hook (x2) ran in neither, so ``.grad`` was half a fused backward's.
+    """
+    import threading
+
+    def run(concurrent: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        calls: list[int] = []
+        tied.register_hook(lambda g: (calls.append(1), g * 2)[1])
+        lins = [nn.Linear(4, 4).double() for _ in range(2)]
+        xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+        params = [[tied, *lin.parameters()] for lin in lins]
+        plain = lins[1](torch.tanh(xs[1] @ tied))
+        _, plain_handoff = stage_backward_input([plain], [gs[1]], [xs[1]], params[1])
+        inside, release = threading.Event(), threading.Event()
+        hidden = lins[0](xs[0])
+        if concurrent:
+            hidden.register_hook(lambda g: (inside.set(), release.wait(30), None)[2])
+        out = checkpoint(lambda t: torch.tanh(t @ tied), hidden, use_reentrant=False)
+        handoffs: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: handoffs.append(
+                stage_backward_input([out], [gs[0]], [xs[0]], params[0])[1]
+            )
+        )
+        thread.start()
+        try:
+            assert not concurrent or inside.wait(30), "B never reached its hook"
+            stage_backward_weight(params[1], plain_handoff)  # while B captures, if concurrent
+            delivered, hook_calls = tied.grad.clone(), len(calls)  # type: ignore[union-attr]
+        finally:
+            release.set()
+            thread.join(30)
+        assert handoffs and handoffs[0].num_kept > 0  # B kept the tied weight's gradient
+        return delivered, hook_calls
+
+    alone, calls_alone = run(concurrent=False)
+    meanwhile, calls_meanwhile = run(concurrent=True)
+    assert calls_meanwhile == calls_alone == 1
+    torch.testing.assert_close(meanwhile, alone, rtol=0, atol=0)
+
+
+def test_two_threads_capturing_a_tied_weight_at_once_leave_its_hooks_in_place() -> None:
+    """Two checkpointed stages sharing a weight, their Bs on two threads, overlapping.
+
+    Each B silences the weight's hooks while it captures its gradient. B on thread 1 starts,
+    B on thread 2 starts, thread 1 ends first: the weight's hooks must be its own again once
+    both are done (thread 2 put back what it found, thread 1's stand-in: the hook was gone
+    for good), and each W runs the hook once, as two fused backwards do.
+    """
+    import threading
+
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    tied.register_hook(lambda g: g * 2)
+    own_hooks = tied._backward_hooks
+    lins = [nn.Linear(4, 4).double() for _ in range(2)]
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    params = [[tied, *lin.parameters()] for lin in lins]
+
+    def forward(i: int) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(t @ tied), lins[i](xs[i]), use_reentrant=False)
+
+    for i in range(2):  # the fused reference
+        forward(i).backward(gs[i])
+    want = tied.grad.clone()  # type: ignore[union-attr]
+    tied.grad = None
+    for p in (*lins[0].parameters(), *lins[1].parameters()):
+        p.grad = None
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    outs = [forward(0), forward(1)]
+    hidden_hooks = [
+        lambda g: (first_in.set(), second_in.wait(30), None)[2],
+        lambda g: (second_in.set(), first_out.wait(30), None)[2],
+    ]
+    handoffs: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def b(i: int) -> None:
+        try:
+            if i == 1 and not first_in.wait(30):
+                raise TimeoutError("the first B never started")
+            outs[i].grad_fn.register_prehook(lambda grads: hidden_hooks[i](grads[0]))  # type: ignore[union-attr]
+            handoffs[i] = stage_backward_input([outs[i]], [gs[i]], [xs[i]], params[i])[1]
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if i == 0:
+                first_out.set()
+
+    threads = [threading.Thread(target=b, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert handoffs[0].num_kept > 0 and handoffs[1].num_kept > 0
+    assert tied._backward_hooks is own_hooks
+    for i in range(2):
+        stage_backward_weight(params[i], handoffs[i])
+    torch.testing.assert_close(tied.grad, want, rtol=0, atol=1e-12)

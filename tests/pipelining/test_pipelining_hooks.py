@@ -606,3 +606,120 @@ def test_retain_grad_on_weight_only_tensor_under_offloading() -> None:
     _, handoff = stage_backward_input([out], [g], [x], [w])
     stage_backward_weight([w], handoff)
     torch.testing.assert_close(wt.grad, want, rtol=0, atol=1e-12)
+
+
+class _PassThrough(torch.autograd.Function):
+    """``x + w`` whose backward hands one tensor to both: B runs it whole and keeps ``w``'s for W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x + w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad
+
+
+@pytest.mark.parametrize("where", ["tensor hook", "accumulator pre-hook"])
+def test_kept_gradient_shared_with_b_input_gradient_is_not_changed_by_a_mutating_hook(
+    where: str,
+) -> None:
+    """A gradient B keeps for W that is also the input gradient B returned stays B's.
+
+    ``_PassThrough``'s backward returns one tensor for ``x`` and ``w``: B returns it as
+    ``dx`` (and ``x.grad``) and keeps it for W as ``w``'s gradient. A hook on ``w`` that
+    multiplies its argument in place must not reach ``dx``, which the schedule may not
+    have sent yet (a fused backward leaves ``x.grad`` as ``g``: AccumulateGrad copies a
+    gradient someone else holds); ``w.grad`` is the fused one.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    if where == "tensor hook":
+        w.register_hook(lambda t: (t.mul_(3), None)[1])
+    else:
+        node = torch.autograd.graph.get_gradient_edge(w).node
+        node.register_prehook(lambda grads: (grads[0].mul_(3), None)[1])
+    g = torch.randn(3, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    _PassThrough.apply(x, w).backward(g.clone())
+    want_w, want_x = w.grad.clone(), x.grad.clone()  # type: ignore[union-attr]
+    torch.testing.assert_close(want_x, g, rtol=0, atol=0)
+    w.grad = x.grad = None
+    (dx,), handoff = stage_backward_input([_PassThrough.apply(x, w)], [g.clone()], [x], [w])
+    assert handoff.num_kept == 1 and dx is not None
+    before = dx.clone()
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(dx, before, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, want_x, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, want_w, rtol=0, atol=0)
+
+
+def test_output_gradient_shared_with_b_input_gradient_is_not_changed_by_a_mutating_hook() -> None:
+    """One tensor given as the gradient of an input-side view and of a weight-only output.
+
+    B returns (a view of) it as ``dx``; W starts the weight-only output ``w.t()`` from it.
+    A hook on ``w`` that multiplies its argument in place must not change ``dx`` after B
+    returned it; ``w.grad`` is the fused one.
+    """
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    w.register_hook(lambda t: (t.mul_(3), None)[1])
+    x = torch.randn(4, 4, requires_grad=True)
+    g = torch.randn(4, 4)
+    torch.autograd.backward([x.view(16).view(4, 4), w.t()], [g.clone(), g.clone()])
+    want_w = w.grad.clone()  # type: ignore[union-attr]
+    w.grad = x.grad = None
+    shared = g.clone()
+    (dx,), handoff = stage_backward_input(
+        [x.view(16).view(4, 4), w.t()], [shared, shared], [x], [w]
+    )
+    assert dx is not None
+    before = dx.clone()
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(dx, before, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, want_w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shared", ["kept by B", "an output gradient"])
+def test_gradient_w_reads_later_is_not_changed_by_a_hook_mutating_one_it_shares_memory_with(
+    shared: str,
+) -> None:
+    """What arrived at an intermediate in B is what W calls it on, whatever a hook did to an alias.
+
+    ``x @ w`` receives the same tensor as ``r``: through ``_PassThrough`` (B keeps ``r``'s
+    gradient for W), or as the output gradient also given for the weight-only output
+    ``r.view(...)``. W delivers ``r``'s gradient (into a ``.grad`` it holds) before it calls
+    ``x @ w``'s node, so a hook on
+    ``r`` that multiplies its argument in place changed ``w``'s gradient (a fused backward lets
+    it reach whichever branch its engine runs later; torch's hook contract forbids it). The
+    split acts as if the hook returned the modified copy: the fused gradients with that hook.
+    """
+
+    def run(split: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 4))
+        r = nn.Parameter(torch.randn(3, 4))
+        if split:
+            r.register_hook(lambda t: (t.mul_(3), None)[1])
+        else:
+            r.register_hook(lambda t: t * 3)
+        # .grad held: W delivers each parameter's gradient as soon as it is final.
+        w.grad, r.grad = torch.zeros_like(w), torch.zeros_like(r)
+        x = torch.randn(3, 4, requires_grad=True)
+        g = torch.randn(3, 4)
+        if shared == "kept by B":
+            outs, grads = [_PassThrough.apply(x @ w, r)], [g]
+        else:
+            outs, grads = [x @ w, r.view(12).view(3, 4)], [g, g]
+        if not split:
+            torch.autograd.backward(outs, grads)
+            return [w.grad, r.grad, x.grad]  # type: ignore[list-item]
+        (dx,), handoff = stage_backward_input(outs, grads, [x], [w, r])
+        assert dx is not None
+        before = dx.clone()
+        stage_backward_weight([w, r], handoff)
+        torch.testing.assert_close(dx, before, rtol=0, atol=0)
+        return [w.grad, r.grad, dx]  # type: ignore[list-item]
+
+    for got, want in zip(run(split=True), run(split=False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -59,6 +59,10 @@ class deferred_callbacks:  # noqa: N801 - a context manager, used as `with defer
     gradients, where a fused backward's callbacks run after: the caller queues
     the held callbacks from inside its delivery pass. A callback queued while
     any other node runs (another thread's backward) goes to the engine as usual.
+    Several Ws may hold the same nodes (a tied weight): the W the calling
+    thread runs holds it, the innermost where Ws nest (a W run from a hook of
+    another W); on one of autograd's device threads (a GPU node's hook), the
+    innermost of any thread.
 
     A class, not a generator-based context manager: W enters it once per call.
     """
@@ -66,13 +70,14 @@ class deferred_callbacks:  # noqa: N801 - a context manager, used as `with defer
     __slots__ = ("_entry",)
 
     def __init__(self, nodes: set[Node]) -> None:
-        self._entry: tuple[set[Node], list[Callable[[], None]]] = (nodes, [])
+        self._entry: _Deferring = (0, nodes, [])
 
     def __enter__(self) -> list[Callable[[], None]]:
+        self._entry = (threading.get_ident(), *self._entry[1:])
         with _ENGINE_LOCK:
             _wrap_engine()
             _DEFERRING.append(self._entry)
-        return self._entry[1]
+        return self._entry[2]
 
     def __exit__(self, *exc: object) -> None:
         entry = self._entry
@@ -108,7 +113,9 @@ _SPARED: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
 )
 _ENGINE_LOCK = threading.Lock()
 _ENGINE_USERS = [0]
-_DEFERRING: list[tuple[set[Node], list[Callable[[], None]]]] = []
+# Per W deferring callbacks: the thread running it, its nodes, the callbacks it holds.
+_Deferring = tuple[int, set[Node], list[Callable[[], None]]]
+_DEFERRING: list[_Deferring] = []
 
 
 @contextlib.contextmanager
@@ -151,8 +158,15 @@ class _Engine:
     def queue_callback(self, callback: Callable[[], None]) -> None:
         node = torch._C._current_autograd_node()
         if node is not None:
-            for nodes, held in tuple(_DEFERRING):
-                if node in nodes:
+            # Innermost first: a W run from a hook of another W over the same
+            # leaves (a later microbatch's) holds its own callbacks, which run
+            # when it ends, as a backward's nested in a hook do. Another
+            # thread's W over a tied weight holds none of this thread's, except
+            # on a device thread, which runs the nodes of every thread's W.
+            me = threading.get_ident()
+            device_thread = isinstance(threading.current_thread(), threading._DummyThread)
+            for thread, nodes, held in tuple(reversed(_DEFERRING)):
+                if (thread == me or device_thread) and node in nodes:
                     held.append(callback)
                     return
         self.engine.queue_callback(callback)

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import sys
+import threading
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -40,37 +41,102 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     the leaf's gradient yet (W delivers it, and its hooks run then, once).
     The engine reads a leaf's hooks from the dict installed as its
     ``_backward_hooks`` (a snapshot of its values per call), so each leaf gets
-    an empty stand-in for the duration: nothing runs at the capture, even a
-    hook registered on the leaf meanwhile by another hook (``register_hook``
+    a stand-in for the duration: nothing runs at the capture, even a hook
+    registered on the leaf meanwhile by another hook (``register_hook``
     writes into the stand-in, which holds it aside). Afterwards the leaf's own
     dict is back, with those hooks added, and the stand-in forwards their
     handles' ``remove()`` there. A hook removed meanwhile from the leaf's own
     dict stays removed.
+
+    The stand-in is the leaf's for every thread, so it holds the leaf's hooks,
+    each silent only in a backward that captures the leaf on a thread inside
+    this context (or on one of autograd's device threads, which run its
+    nodes): a W delivering the leaf meanwhile (another thread's over a tied
+    weight, or one run from a hook inside the capture) runs them as usual.
+    Threads whose captures overlap on a leaf share its stand-in; the last to
+    leave puts the leaf's own dict back.
     """
-    installed: list[tuple[torch.Tensor, Any, _HeldHooks]] = []
+    me = threading.get_ident()
+    entered: list[_Window] = []
     try:
-        for leaf in leaves:
-            stand_in = _HeldHooks()
-            installed.append((leaf, leaf._backward_hooks, stand_in))
-            leaf._backward_hooks = stand_in
+        with _WINDOWS_LOCK:
+            for leaf in leaves:
+                window = _WINDOWS.get(id(leaf))
+                if window is None:
+                    window = _WINDOWS[id(leaf)] = _Window(leaf)
+                window.threads.append(me)
+                entered.append(window)
         yield
     finally:
-        for leaf, own, stand_in in installed:
-            if stand_in.held:
-                if own is None:
-                    own = collections.OrderedDict()
-                own.update(stand_in.held)
-                stand_in.home = own
-                _STAND_INS.setdefault(leaf, []).append(stand_in)  # their handles refer to it
-            leaf._backward_hooks = own
+        with _WINDOWS_LOCK:
+            for window in entered:
+                window.threads.remove(me)
+                if not window.threads:
+                    del _WINDOWS[id(window.leaf)]
+                    window.close()
+
+
+class _Window:
+    """One leaf's silenced span: its own hook dict, the stand-in installed instead, and the
+    threads capturing inside it (one entry per entry into :func:`silenced_tensor_hooks`)."""
+
+    def __init__(self, leaf: torch.Tensor) -> None:
+        self.leaf, self.own = leaf, leaf._backward_hooks
+        self.threads: list[int] = []
+        self.stand_in = _HeldHooks()
+        if self.own:
+            node = get_gradient_edge(leaf).node
+            for key, hook in self.own.items():
+                collections.OrderedDict.__setitem__(
+                    self.stand_in, key, _SilentAtCapture(hook, node, self.threads)
+                )
+        leaf._backward_hooks = self.stand_in
+
+    def close(self) -> None:
+        """Put the leaf's own dict back, with the hooks registered meanwhile."""
+        own, stand_in = self.own, self.stand_in
+        if stand_in.held:
+            if own is None:
+                own = collections.OrderedDict()
+            own.update(stand_in.held)
+            stand_in.home = own
+            _STAND_INS.setdefault(self.leaf, []).append(stand_in)  # their handles refer to it
+        self.leaf._backward_hooks = own
+
+
+# The leaves whose hooks are silenced now, across threads, by id (a window holds its
+# leaf, so the id is not reused while it is open; it is dropped when the last thread leaves).
+_WINDOWS: dict[int, _Window] = {}
+_WINDOWS_LOCK = threading.Lock()
+
+
+class _SilentAtCapture:
+    """A leaf's hook in its stand-in: nothing in a backward of one of ``threads`` (or of a
+    device thread) that captures the leaf at ``node``, the hook itself in any other."""
+
+    __slots__ = ("hook", "node", "threads")
+
+    def __init__(self, hook: Any, node: Node, threads: list[int]) -> None:
+        self.hook, self.node, self.threads = hook, node, threads
+
+    def __call__(self, grad: torch.Tensor) -> Any:
+        if threading.get_ident() in self.threads or isinstance(
+            threading.current_thread(), threading._DummyThread
+        ):
+            try:
+                torch._C._will_engine_execute_node(self.node)  # type: ignore[arg-type]
+            except RuntimeError:  # the engine's answer for a leaf autograd.grad captures
+                return None
+        return self.hook(grad)
 
 
 class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
     """A leaf's stand-in hook dict during a capture; see :func:`silenced_tensor_hooks`.
 
-    Its own storage (what the engine reads) stays empty; what ``register_hook``
-    and ``RemovableHandle.remove`` do goes to ``held``, then to ``home`` (the
-    leaf's own dict) once the capture is over.
+    Its own storage (what the engine reads) holds the leaf's hooks, silent at
+    the capture; Python sees it empty, as code that inspects a leaf's hooks
+    did before. What ``register_hook`` and ``RemovableHandle.remove`` do goes
+    to ``held``, then to ``home`` (the leaf's own dict) once the capture is over.
     """
 
     def __init__(self) -> None:
@@ -89,6 +155,24 @@ class _HeldHooks(collections.OrderedDict):  # type: ignore[type-arg]
 
     def __delitem__(self, key: Any) -> None:
         del self._target()[key]
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def keys(self) -> Any:
+        return {}.keys()
+
+    def values(self) -> Any:
+        return {}.values()
+
+    def items(self) -> Any:
+        return {}.items()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return default
 
 
 # Stand-ins that held hooks, per leaf: those hooks' handles refer to them weakly.
