@@ -201,13 +201,13 @@ def _report(
     timed: bool,
 ) -> VerifyReport:
     tol = _TOLERANCE[dtype]
-    wanted = {**reference.params, **reference.inputs}
+    wanted = {**reference.params, **reference.inputs, **_changed_values(reference, runs)}
     rows: list[GradRow] = []
     errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
     oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
     for impl, per in runs.items():
         for order, res in per.items():
-            got = {**res.params, **res.inputs}
+            got = {**res.params, **res.inputs, **res.values}
             for name, want in wanted.items():
                 err, ok = (
                     (None, None)
@@ -230,7 +230,7 @@ def _report(
                 row_errors.setdefault(impl, {})[order] = _worst_of(values)
                 row_oks.setdefault(impl, {})[order] = None if None in flags else all(flags)
         present = [t for t in (wanted[n] for n in names) if t is not None]
-        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in present]
+        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in map(_numeric, present)]
         rows.append(
             GradRow(
                 row_name,
@@ -283,6 +283,23 @@ def _report(
         refused=refused,
         timing=timing,
     )
+
+
+def _changed_values(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]]
+) -> dict[str, torch.Tensor | None]:
+    """The parameter and buffer values (moves from the start) that some run left otherwise than
+    fused: a hook stepping the parameters in backward, a buffer updated by a recomputation."""
+    done = [r for per in runs.values() for r in per.values() if r.error is None]
+    return {
+        key: want
+        for key, want in reference.values.items()
+        if any(key not in r.values or not torch.equal(r.values[key], want) for r in done)
+    }
+
+
+def _numeric(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
 
 
 def _worst_of(values: list[float | str | None]) -> float | str | None:

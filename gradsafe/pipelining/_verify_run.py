@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parameter import is_lazy
 
 from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._live_storage import LiveStorage
@@ -70,6 +71,11 @@ class RunResult:
     timing: tuple[float, float] = (0.0, 0.0)  # backward wall, thread CPU
     peak_bytes: int | None = None  # most live storage created from the first forward on
     hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # "value of NAME after the run": how far each parameter and buffer moved from
+    # its initial value (the value itself if not floating). A hook that folds the
+    # gradient into the parameter (an optimizer step in backward) leaves no .grad
+    # to compare: a wrong gradient shows only here.
+    values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
@@ -234,6 +240,7 @@ def _run(
                 key = prefixes[s] + name
                 result.params[key] = None if p.grad is None else p.grad.detach().clone()
                 result.shapes[key] = tuple(p.shape)
+    _record_values(modules, copies, prefixes, result)
     for (s, k), grads in sorted(dinputs.items()):
         for i, (value, grad) in enumerate(zip(inputs[s, k], grads)):
             if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -241,6 +248,28 @@ def _run(
                 result.inputs[key] = None if grad is None else grad.detach().clone()
                 result.shapes[key] = tuple(value.shape)
     return result
+
+
+def _record_values(
+    modules: Sequence[nn.Module],
+    copies: Sequence[nn.Module],
+    prefixes: Sequence[str],
+    result: RunResult,
+) -> None:
+    # The caller's tensors are unchanged by verify: cast, they are every run's start.
+    for prefix, module, copied in zip(prefixes, modules, copies):
+        for named in (nn.Module.named_parameters, nn.Module.named_buffers):
+            starts = dict(named(module))
+            for name, end in named(copied):
+                key = f"value of {prefix}{name} after the run"
+                final, start = end.detach(), starts.get(name)
+                # A lazy module's parameters exist only in the copies: their value is compared.
+                moved = start is not None and not is_lazy(start) and start.shape == final.shape
+                moved = moved and (final.is_floating_point() or final.is_complex())
+                result.values[key] = (
+                    final - cast(torch.Tensor, start).detach().to(final) if moved else final.clone()
+                )
+                result.shapes[key] = tuple(final.shape)
 
 
 def _forward(
@@ -390,6 +419,8 @@ def compare(
     """Relative max error of ``got`` against ``want`` and whether it is within ``tol``.
 
     A missing gradient on one side only, or a shape mismatch, is a "None pattern".
+    Complex tensors are compared as complex (``double()`` would drop the
+    imaginary part).
     """
     if (want is None) != (got is None):
         return "None pattern", False
@@ -397,8 +428,9 @@ def compare(
         return 0.0, True
     if got.shape != want.shape:
         return "None pattern", False
-    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    wide = torch.complex128 if got.is_complex() or want.is_complex() else torch.float64
+    diff = float((got.to(wide) - want.to(wide)).abs().max()) if want.numel() else 0.0
+    scale = float(want.to(wide).abs().max()) if want.numel() else 0.0
     if math.isnan(diff):
         return float("nan"), False
     rel = diff / scale if scale > 0 else diff
