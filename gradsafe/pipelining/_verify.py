@@ -299,6 +299,8 @@ def _changed_values(
 
 
 def _numeric(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a form with ``abs().max()``: bool buffers as integers, sparse gradients dense."""
+    t = t.to_dense()
     return t.to(torch.uint8) if t.dtype == torch.bool else t
 
 

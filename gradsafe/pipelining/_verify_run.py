@@ -418,7 +418,8 @@ def compare(
 ) -> tuple[float | str, bool]:
     """Relative max error of ``got`` against ``want`` and whether it is within ``tol``.
 
-    A missing gradient on one side only, or a shape mismatch, is a "None pattern".
+    A missing gradient on one side only, or a shape or layout (sparse against
+    dense) mismatch, is a "None pattern".
     Complex tensors are compared as complex (``double()`` would drop the
     imaginary part).
     """
@@ -426,8 +427,10 @@ def compare(
         return "None pattern", False
     if want is None or got is None:
         return 0.0, True
-    if got.shape != want.shape:
+    if got.shape != want.shape or got.layout != want.layout:
         return "None pattern", False
+    # A sparse gradient (nn.Embedding(sparse=True)) has no max: compare its dense form.
+    want, got = want.to_dense(), got.to_dense()
     wide = torch.complex128 if got.is_complex() or want.is_complex() else torch.float64
     diff = float((got.to(wide) - want.to(wide)).abs().max()) if want.numel() else 0.0
     scale = float(want.to(wide).abs().max()) if want.numel() else 0.0
