@@ -184,7 +184,9 @@ class PendingWeightGrads:
         by_param: dict[int, list[_Use]] = {}
         for use in self._uses:
             by_param.setdefault(id(use.param), []).append(use)
-        with torch.no_grad():
+        # Not inference mode, even if the caller runs W in it: a .grad made there is an
+        # inference tensor, which the next accumulation (W's or AccumulateGrad's) refuses.
+        with torch.inference_mode(False), torch.no_grad():
             for uses in by_param.values():
                 param = uses[0].param
                 fused = [use for use in uses if use.accumulate_into_main_grad]
