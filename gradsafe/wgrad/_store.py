@@ -128,6 +128,7 @@ class PendingWeightGrads:
                 raise RuntimeError(f"PendingWeightGrads.run: {_CAPTURED_OUTSIDE}")
             self._refuse_gradients_no_hook_would_take()
             self._refuse_reads_modified_since_b()
+            self._refuse_params_freed_since_b()
             self._state = _State.RUNNING
         try:
             self._deliver()
@@ -179,6 +180,22 @@ class PendingWeightGrads:
                         "callable's next call), or have the kernel read a copy (e.g. "
                         "graphed(x).clone()). Nothing was applied; this pass stays unrun."
                     )
+
+    def _refuse_params_freed_since_b(self) -> None:
+        for use in self._uses:
+            if _storage_freed(use.param):
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: the delayed parameter of shape "
+                    f"{tuple(use.param.shape)} has had its storage freed since B recorded it, so "
+                    "its W gradient would go into a .grad that no one reads. The usual cause: "
+                    "FSDP2 (fully_shard) recorded its unsharded parameter, reduce-scattered the "
+                    "gradients at the end of B and resharded, freeing it; the delayed gradient "
+                    "would be lost from the step. A delayed weight gradient needs a data-parallel "
+                    "wrapper that waits for W (Megatron-core's DistributedDataParallel with "
+                    "delay_wgrad_compute=True, see docs/wgrad.md); under FSDP2 or torch's "
+                    "DistributedDataParallel compute the weight gradient in B (no wgrad store). "
+                    "Nothing was applied; this pass stays unrun."
+                )
 
     def _deliver(self) -> None:
         by_param: dict[int, list[_Use]] = {}
@@ -242,6 +259,14 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
         param.grad = total
     else:
         param.grad.add_(total)
+
+
+def _storage_freed(param: torch.Tensor) -> bool:
+    """Whether ``param``'s memory was released in place (``untyped_storage().resize_(0)``, as
+    FSDP2 does to an unsharded parameter when it reshards)."""
+    if param.numel() == 0 or param.is_meta or type(param) not in (torch.Tensor, torch.nn.Parameter):
+        return False  # a tensor subclass (a DTensor) has no storage of its own to ask about
+    return param.untyped_storage().nbytes() == 0
 
 
 def _read(t: torch.Tensor) -> _Read:
