@@ -241,6 +241,7 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
 
 def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
     total: torch.Tensor | None = None
+    summed = False  # total is this function's own sum, not a closure's tensor
     for use in uses:
         wgrad = use.compute(None)
         if wgrad is None or wgrad.shape != param.shape:
@@ -249,7 +250,14 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 f"an unfused WeightGradClosure must return the weight gradient of shape "
                 f"{tuple(param.shape)}, got {got}"
             )
-        total = wgrad if total is None else total.add_(wgrad)
+        if total is None:
+            total = wgrad
+        elif summed:
+            total.add_(wgrad)
+        else:
+            # Never add into a closure's tensor: it may be one another closure of
+            # this pass still reads (a bias-like weight's gradient is grad_out itself).
+            total, summed = total + wgrad, True
     if total is None:  # callers pass at least one use
         return
     if param.grad is None:

@@ -1,0 +1,55 @@
+"""The W pass never writes into a tensor an unfused closure returned: it may be one another
+closure of the same pass still reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsafe.wgrad import WeightGradStore, wgrad_return
+
+
+class _ScaleShift(torch.autograd.Function):
+    """``x * scale + shift`` for ``scale`` and ``shift`` of ``x``'s shape, weight gradients delayed.
+
+    ``shift``'s weight gradient is the incoming gradient itself, which its closure returns as is.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, store: WeightGradStore
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.scale, ctx.shift, ctx.store = scale, shift, store
+        return x * scale + shift
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        store: WeightGradStore = ctx.store
+        store.record(ctx.shift, lambda _: g, accumulate_into_main_grad=False, reads=(g,))
+        store.record(ctx.scale, lambda _: g * x, accumulate_into_main_grad=False, reads=(g, x))
+        slots = [
+            wgrad_return(p, None, accumulate_into_main_grad=False, delayed=True)
+            for p in (ctx.scale, ctx.shift)
+        ]
+        return g * ctx.scale, *slots, None
+
+
+def test_a_tied_weight_whose_closure_returns_grad_out_leaves_other_closures_reads_intact() -> None:
+    # shift is tied across two uses; summing them into the first use's tensor wrote
+    # into that use's grad_out, which scale_2's closure then read (2.38 off, silently).
+    torch.manual_seed(0)
+    shape = (3, 4)
+    scale_1, scale_2, shift = (torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for _ in range(3))
+    x_1, x_2, c_1, c_2 = (torch.randn(shape, dtype=torch.float64) for _ in range(4))
+    store = WeightGradStore()
+    y_1 = _ScaleShift.apply(x_1, scale_1, shift, store)
+    y_2 = _ScaleShift.apply(x_2, scale_2, shift, store)
+    ((y_1 * c_1).sum() + (y_2 * c_2).sum()).backward()
+    store.seal().run()
+    plain = [p.detach().clone().requires_grad_() for p in (scale_1, scale_2, shift)]
+    ((x_1 * plain[0] + plain[2]) * c_1 + (x_2 * plain[1] + plain[2]) * c_2).sum().backward()
+    for delayed, want in zip((scale_1, scale_2, shift), plain):
+        torch.testing.assert_close(delayed.grad, want.grad, rtol=1e-12, atol=1e-12)
