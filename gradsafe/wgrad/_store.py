@@ -201,6 +201,7 @@ class PendingWeightGrads:
         by_param: dict[int, list[_Use]] = {}
         for use in self._uses:
             by_param.setdefault(id(use.param), []).append(use)
+        read = {_memory(r.tensor) for use in self._uses for r in use.reads}
         # Not inference mode, even if the caller runs W in it: a .grad made there is an
         # inference tensor, which the next accumulation (W's or AccumulateGrad's) refuses.
         with torch.inference_mode(False), torch.no_grad():
@@ -212,7 +213,7 @@ class PendingWeightGrads:
                     _accumulate_into_main_grad(param, fused)
                     flag_main_grad_written(param)
                 if unfused:
-                    _accumulate_into_grad(param, unfused)
+                    _accumulate_into_grad(param, unfused, read)
                     flag_grad_written(param)
                 self._undelivered.discard(id(param))
                 hooks = self._hooks.get(param)
@@ -239,7 +240,14 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
             )
 
 
-def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s memory starts (shared by its views); a tensor subclass stands for itself."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return -id(t)
+    return t.untyped_storage().data_ptr()
+
+
+def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use], read: set[int]) -> None:
     total: torch.Tensor | None = None
     summed = False  # total is this function's own sum, not a closure's tensor
     for use in uses:
@@ -261,8 +269,15 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
     if total is None:  # callers pass at least one use
         return
     if param.grad is None:
-        # AccumulateGrad's layout contract: .grad has the parameter's strides.
-        if total.stride() != param.stride() or total.dtype != param.dtype:
+        # AccumulateGrad's layout contract: .grad has the parameter's strides. And a
+        # closure's result that is (a view of) a tensor this pass reads is copied: a
+        # grad-ready hook writing .grad in place (zero_()) would change what a later
+        # closure of the pass reads.
+        if (
+            total.stride() != param.stride()
+            or total.dtype != param.dtype
+            or (not summed and _memory(total) in read)
+        ):
             total = torch.empty_like(param).copy_(total)
         param.grad = total
     else:

@@ -53,3 +53,28 @@ def test_a_tied_weight_whose_closure_returns_grad_out_leaves_other_closures_read
     ((x_1 * plain[0] + plain[2]) * c_1 + (x_2 * plain[1] + plain[2]) * c_2).sum().backward()
     for delayed, want in zip((scale_1, scale_2, shift), plain):
         torch.testing.assert_close(delayed.grad, want.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_hook_zeroing_grad_in_place_leaves_a_later_closures_read_intact() -> None:
+    # shift's closure returns grad_out, which became shift's .grad as is; a grad-ready
+    # hook that zeroes .grad in place (zero_grad(set_to_none=False) after an optimizer
+    # step in W) then zeroed what scale's closure read next (1.2 off, silently).
+    torch.manual_seed(0)
+    shape = (3, 4)
+    scale, shift = (torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for _ in range(2))
+    x, c = (torch.randn(shape, dtype=torch.float64) for _ in range(2))
+    store = WeightGradStore()
+    consumed: dict[int, torch.Tensor] = {}
+
+    def step_then_zero(p: torch.Tensor) -> None:
+        consumed[id(p)] = p.grad.clone()
+        p.grad.zero_()
+
+    for p in (scale, shift):
+        store.register_grad_ready_hook(p, step_then_zero)
+    (_ScaleShift.apply(x, scale, shift, store) * c).sum().backward()
+    store.seal().run()
+    plain = [p.detach().clone().requires_grad_() for p in (scale, shift)]
+    ((x * plain[0] + plain[1]) * c).sum().backward()
+    for delayed, want in zip((scale, shift), plain):
+        torch.testing.assert_close(consumed[id(delayed)], want.grad, rtol=1e-12, atol=1e-12)
