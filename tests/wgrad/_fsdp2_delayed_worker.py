@@ -6,11 +6,11 @@ import sys
 from typing import Any
 
 import torch
-from tests._rank_worker import run_rank
 from torch.distributed.fsdp import fully_shard
 
 from gradsafe.wgrad import WeightGradStore
 from gradsafe.wgrad._hazards import repro_linear
+from tests._rank_worker import run_rank
 
 
 class _Delayed(torch.nn.Module):

@@ -42,7 +42,9 @@ def test_a_tied_weight_whose_closure_returns_grad_out_leaves_other_closures_read
     # into that use's grad_out, which scale_2's closure then read (2.38 off, silently).
     torch.manual_seed(0)
     shape = (3, 4)
-    scale_1, scale_2, shift = (torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for _ in range(3))
+    scale_1, scale_2, shift = (
+        torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for _ in range(3)
+    )
     x_1, x_2, c_1, c_2 = (torch.randn(shape, dtype=torch.float64) for _ in range(4))
     store = WeightGradStore()
     y_1 = _ScaleShift.apply(x_1, scale_1, shift, store)
