@@ -93,3 +93,22 @@ def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
     _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
     assert report.ok, str(report)
     assert {r.verdict for r in report.results["upstream"].values()} == {"right"}, str(report)
+
+
+def test_a_gradsafe_rank_refuses_when_the_pipelining_patch_does_not_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A skipped patch leaves torch's own split in place: the column that reports
+    # gradsafe's split must not report torch's.
+    import dataclasses
+
+    import gradsafe
+    from gradsafe._verify_worker import apply_gradsafe
+
+    skipped = dataclasses.replace(
+        gradsafe.status()["pipelining"], state="skipped", refcount=0, skipped="probe failed: X"
+    )
+    monkeypatch.setattr(gradsafe, "patch", lambda *names: None)
+    monkeypatch.setattr(gradsafe, "status", lambda: {"pipelining": skipped})
+    with pytest.raises(RuntimeError, match=r"is skipped .*\(probe failed: X\).*torch's own split"):
+        apply_gradsafe()
