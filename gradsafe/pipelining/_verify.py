@@ -230,7 +230,7 @@ def _report(
                 row_errors.setdefault(impl, {})[order] = _worst_of(values)
                 row_oks.setdefault(impl, {})[order] = None if None in flags else all(flags)
         present = [t for t in (wanted[n] for n in names) if t is not None]
-        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in map(_numeric, present)]
+        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in map(_dense, present)]
         rows.append(
             GradRow(
                 row_name,
@@ -288,8 +288,8 @@ def _report(
 def _changed_values(
     reference: RunResult, runs: dict[str, dict[str, RunResult]]
 ) -> dict[str, torch.Tensor | None]:
-    """The parameter and buffer values (moves from the start) that some run left otherwise than
-    fused: a hook stepping the parameters in backward, a buffer updated by a recomputation."""
+    """The parameter values (moves from the start) that some run left otherwise than fused: a
+    hook stepping the parameters in backward (an optimizer step in backward)."""
     done = [r for per in runs.values() for r in per.values() if r.error is None]
     return {
         key: want
@@ -298,10 +298,9 @@ def _changed_values(
     }
 
 
-def _numeric(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a form with ``abs().max()``: bool buffers as integers, sparse gradients dense."""
-    t = t.to_dense()
-    return t.to(torch.uint8) if t.dtype == torch.bool else t
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a form with ``abs().max()``: a sparse gradient dense."""
+    return t.to_dense()
 
 
 def _worst_of(values: list[float | str | None]) -> float | str | None:

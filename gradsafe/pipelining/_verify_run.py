@@ -71,8 +71,8 @@ class RunResult:
     timing: tuple[float, float] = (0.0, 0.0)  # backward wall, thread CPU
     peak_bytes: int | None = None  # most live storage created from the first forward on
     hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
-    # "value of NAME after the run": how far each parameter and buffer moved from
-    # its initial value (the value itself if not floating). A hook that folds the
+    # "value of NAME after the run": how far each parameter moved from its initial
+    # value (a lazy one's value itself). A hook that folds the
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -257,19 +257,20 @@ def _record_values(
     result: RunResult,
 ) -> None:
     # The caller's tensors are unchanged by verify: cast, they are every run's start.
+    # Parameters only: buffers change in forwards (BatchNorm's running statistics,
+    # again in a checkpoint's recomputation), whose count is compared already, and
+    # a first stage's recomputation moves to W's slot in any split schedule.
     for prefix, module, copied in zip(prefixes, modules, copies):
-        for named in (nn.Module.named_parameters, nn.Module.named_buffers):
-            starts = dict(named(module))
-            for name, end in named(copied):
-                key = f"value of {prefix}{name} after the run"
-                final, start = end.detach(), starts.get(name)
-                # A lazy module's parameters exist only in the copies: their value is compared.
-                moved = start is not None and not is_lazy(start) and start.shape == final.shape
-                moved = moved and (final.is_floating_point() or final.is_complex())
-                result.values[key] = (
-                    final - cast(torch.Tensor, start).detach().to(final) if moved else final.clone()
-                )
-                result.shapes[key] = tuple(final.shape)
+        starts = dict(module.named_parameters())
+        for name, end in copied.named_parameters():
+            key = f"value of {prefix}{name} after the run"
+            final, start = end.detach(), starts.get(name)
+            # A lazy module's parameters exist only in the copies: their value is compared.
+            moved = start is not None and not is_lazy(start) and start.shape == final.shape
+            result.values[key] = (
+                final - cast(torch.Tensor, start).detach().to(final) if moved else final.clone()
+            )
+            result.shapes[key] = tuple(final.shape)
 
 
 def _forward(
