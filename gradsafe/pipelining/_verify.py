@@ -114,6 +114,7 @@ def verify(
         raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
     if dtype not in _TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
+    _verify_run.refuse_gradients_kept_elsewhere(modules)
     batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
     if not batches:
         raise ValueError("microbatches is empty: pass at least one microbatch.")

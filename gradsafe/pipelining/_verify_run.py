@@ -27,6 +27,7 @@ from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
+from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
     "ORDERS",
@@ -36,6 +37,7 @@ __all__ = [
     "compare",
     "events",
     "projection_loss",
+    "refuse_gradients_kept_elsewhere",
     "run",
 ]
 
@@ -76,6 +78,46 @@ class RunResult:
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
+    """Raise if a parameter's gradient lives outside what verify compares (``.grad``).
+
+    A delayed weight (``skip_backward_post_hook``) gets its gradient from a W pass of
+    its own (a WeightGradStore's, TransformerEngine's), which no verify run calls: None
+    in every run, it would compare equal unchecked. A parameter with ``main_grad``
+    belongs to a Megatron-style data-parallel wrapper, whose hooks (read from the
+    caller's parameters and run on the copies) act on the caller's parameter itself.
+    """
+    prefixes = [f"{s}." if len(modules) > 1 else "" for s in range(len(modules))]
+    named = [
+        (prefix + name, p)
+        for prefix, module in zip(prefixes, modules)
+        for name, p in module.named_parameters()
+    ]
+    delayed = [name for name, p in named if grad_lifetime_is_managed(p)]
+    wrapped = [name for name, p in named if hasattr(p, "main_grad")]
+    if delayed:
+        raise ValueError(
+            f"verify cannot check {_some(delayed)}: marked as delayed (skip_backward_post_hook), "
+            "its weight gradient comes from a W pass of its own (a gradsafe.wgrad.WeightGradStore's, "
+            "TransformerEngine's) that verify does not run, so it would be None in every run and "
+            "compare equal unchecked. Build the stages for verify with the delay off (the kernel "
+            "returning or fusing its weight gradient in B); gradsafe.wgrad's own checks cover the "
+            "store's W pass."
+        )
+    if wrapped:
+        raise ValueError(
+            f"verify cannot check {_some(wrapped)}: it has a main_grad, so a Megatron-style "
+            "data-parallel wrapper owns its gradient. Its hooks act on your parameter itself "
+            "(they would add your .grad into your main_grad and clear it while verify runs on "
+            "copies), and verify compares .grad, not main_grad. Verify the stages before wrapping "
+            "them (and with gradient-accumulation fusion off)."
+        )
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" (and {len(names) - 4} more)" if len(names) > 4 else "")
 
 
 def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str, int, int]]:

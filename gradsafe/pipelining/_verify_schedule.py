@@ -167,6 +167,7 @@ def verify_schedule(
     say = progress or (lambda line: None)
     stages, microbatches, *rest = load_factory(spec)
     stages = list(stages)
+    _verify_run.refuse_gradients_kept_elsewhere(stages)
     if len(stages) != 2 * ranks:
         raise ValueError(
             f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
