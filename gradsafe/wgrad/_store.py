@@ -383,13 +383,22 @@ class WeightGradStore:
                 rewrites).
 
         Raises:
-            ValueError: a tensor in ``reads`` is an inference tensor (it has
-                no version to check).
+            ValueError: ``param`` is not a leaf (a view such as ``weight.t()``:
+                its ``.grad`` never reaches the parameter), or a tensor in
+                ``reads`` is an inference tensor (it has no version to check).
             RuntimeError: records made during a CUDA graph capture are still
                 open after it ended (a delayed kernel inside a graphed
                 callable): they are discarded. Records made, sealed and run
                 within one capture (a whole-step graph) are fine.
         """
+        if param.grad_fn is not None:
+            raise ValueError(
+                f"WeightGradStore.record: the parameter given (shape {tuple(param.shape)}) is not a "
+                f"leaf but the output of {param.grad_fn.name()} (e.g. weight.t(), a tied weight "
+                "passed as a view), so W would put its gradient in that tensor's .grad, which "
+                "never reaches the parameter. Pass the parameter itself to the kernel (and record "
+                "it), and apply the view inside the kernel and the closure."
+            )
         read = tuple(_read(t) for t in reads)
         capturing = _graph_capture_underway()
         mark_delayed_wgrad(param)

@@ -1,13 +1,16 @@
-"""The W pass never writes into a tensor an unfused closure returned: it may be one another
-closure of the same pass still reads."""
+"""Where W's gradients go: never into a tensor an unfused closure returned (it may be one another
+closure of the same pass still reads), and only into the parameter itself (a view recorded in its
+place is refused)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from gradsafe.wgrad import WeightGradStore, wgrad_return
+from gradsafe.wgrad._hazards import repro_linear
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -80,3 +83,13 @@ def test_a_hook_zeroing_grad_in_place_leaves_a_later_closures_read_intact() -> N
     ((x * plain[0] + plain[1]) * c).sum().backward()
     for delayed, want in zip((scale, shift), plain):
         torch.testing.assert_close(consumed[id(delayed)], want.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_recording_a_view_of_the_parameter_is_refused_in_b() -> None:
+    # A tied weight passed as weight.t(): W put the gradient in the view's .grad
+    # and the parameter's stayed None, silently (a non-leaf .grad warning only).
+    weight = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    store = WeightGradStore()
+    out = repro_linear(torch.randn(3, 4, dtype=torch.float64), weight.t(), fuse=False, store=store)
+    with pytest.raises(ValueError, match=r"not a leaf but the output of TBackward0"):
+        out.pow(2).sum().backward()
