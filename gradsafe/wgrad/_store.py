@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -92,6 +93,18 @@ class PendingWeightGrads:
         self._claim = threading.Lock()  # run() from two threads: exactly one runs the pass
         # Parameters this pass has yet to deliver (ids: the uses hold the parameters until then).
         self._undelivered = {id(use.param) for use in uses}
+
+    def __del__(self) -> None:
+        # Dropped without run(): its weight gradients are lost from the step. A
+        # finalizer cannot refuse, so it warns (a schedule that skips a W pass).
+        if self._state is _State.SEALED and self._uses:
+            warnings.warn(
+                f"a sealed W pass (PendingWeightGrads with {len(self._uses)} recorded weight "
+                "use(s)) was dropped without run(): those weight gradients are missing from the "
+                "step. Run every sealed pass once, after its B pass.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __len__(self) -> int:
         """Number of recorded weight uses."""
