@@ -202,13 +202,15 @@ def _report(
     timed: bool,
 ) -> VerifyReport:
     tol = _TOLERANCE[dtype]
-    wanted = {**reference.params, **reference.inputs, **_changed_values(reference, runs)}
+    values = _changed_values(reference, runs)
+    wanted = {**reference.params, **reference.inputs, **values}
     rows: list[GradRow] = []
     errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
     oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
     for impl, per in runs.items():
         for order, res in per.items():
-            got = {**res.params, **res.inputs, **res.values}
+            moved = {k: res.values.get(k, torch.zeros_like(v)) for k, v in values.items()}
+            got = {**res.params, **res.inputs, **moved}
             for name, want in wanted.items():
                 err, ok = (
                     (None, None)
@@ -288,15 +290,17 @@ def _report(
 
 def _changed_values(
     reference: RunResult, runs: dict[str, dict[str, RunResult]]
-) -> dict[str, torch.Tensor | None]:
-    """The parameter values (moves from the start) that some run left otherwise than fused: a
+) -> dict[str, torch.Tensor]:
+    """Fused's parameter moves (zeros where it moved none) that some run left otherwise: a
     hook stepping the parameters in backward (an optimizer step in backward)."""
     done = [r for per in runs.values() for r in per.values() if r.error is None]
-    return {
-        key: want
-        for key, want in reference.values.items()
-        if any(key not in r.values or not torch.equal(r.values[key], want) for r in done)
-    }
+    changed: dict[str, torch.Tensor] = {}
+    for key in dict.fromkeys(k for r in (reference, *done) for k in r.values):
+        some = next(r.values[key] for r in (reference, *done) if key in r.values)
+        want = reference.values.get(key, torch.zeros_like(some))
+        if any(not torch.equal(r.values.get(key, torch.zeros_like(some)), want) for r in done):
+            changed[key] = want
+    return changed
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class RunResult:
     peak_bytes: int | None = None  # most live storage created from the first forward on
     hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     # "value of NAME after the run": how far each parameter moved from its initial
-    # value (a lazy one's value itself). A hook that folds the
+    # value, where it moved (absent: it did not; a lazy one's value itself). A hook that folds the
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -308,11 +308,13 @@ def _record_values(
             key = f"value of {prefix}{name} after the run"
             final, start = end.detach(), starts.get(name)
             # A lazy module's parameters exist only in the copies: their value is compared.
-            moved = start is not None and not is_lazy(start) and start.shape == final.shape
-            result.values[key] = (
-                final - cast(torch.Tensor, start).detach().to(final) if moved else final.clone()
-            )
             result.shapes[key] = tuple(final.shape)
+            if start is None or is_lazy(start) or start.shape != final.shape:
+                result.values[key] = final.clone()
+                continue
+            move = final - start.detach().to(final)
+            if move.any():  # kept only where it moved: a model's worth of zeros per run else
+                result.values[key] = move
 
 
 def _forward(

@@ -129,3 +129,16 @@ def test_running_statistics_a_first_stage_recomputes_in_ws_slot_are_not_a_differ
     report = verify([_CheckpointedNorm(), _CheckpointedNorm()], _batches(5))
     assert report.ok, str(report)
     assert not [r.name for r in report.grads if r.name.startswith("value of")]
+
+
+def test_a_split_that_moves_a_parameter_fused_leaves_alone_makes_the_report_not_ok(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    monkeypatch.setattr(_verify, "_gradsafe_split", _after_w(_nudge))
+    report = verify(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), _batches(1))
+    assert not report.ok, str(report)
+    assert report.gradsafe["w-after-b"].params == (
+        "value of 0.weight after the run",
+        "value of 0.bias after the run",
+    )
