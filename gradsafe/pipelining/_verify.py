@@ -115,6 +115,11 @@ def verify(
     if dtype not in _TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
     _verify_run.refuse_gradients_kept_elsewhere(modules)
+    if isinstance(microbatches, torch.Tensor):  # iterating it would make each row a microbatch
+        raise TypeError(
+            f"microbatches is one tensor of shape {tuple(microbatches.shape)}; pass a list of "
+            "microbatches, each a tuple of the first stage's inputs (e.g. [(x,)] for one)."
+        )
     batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
     if not batches:
         raise ValueError("microbatches is empty: pass at least one microbatch.")
@@ -202,14 +207,14 @@ def _report(
     timed: bool,
 ) -> VerifyReport:
     tol = _TOLERANCE[dtype]
-    values = _changed_values(reference, runs)
-    wanted = {**reference.params, **reference.inputs, **values}
+    moves = _changed_values(reference, runs)
+    wanted = {**reference.params, **reference.inputs, **moves}
     rows: list[GradRow] = []
     errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
     oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
     for impl, per in runs.items():
         for order, res in per.items():
-            moved = {k: res.values.get(k, torch.zeros_like(v)) for k, v in values.items()}
+            moved = {k: res.values.get(k, torch.zeros_like(v)) for k, v in moves.items()}
             got = {**res.params, **res.inputs, **moved}
             for name, want in wanted.items():
                 err, ok = (

@@ -51,3 +51,9 @@ def test_a_stage_under_a_megatron_style_wrapper_is_refused_and_left_as_it_was() 
     for p in module.parameters():
         assert torch.equal(p.grad, torch.full_like(p, 7.0))
         assert not p.main_grad.any()
+
+
+def test_one_tensor_as_the_microbatches_is_refused_not_split_into_rows() -> None:
+    # Iterated, a (3, 4) tensor became three microbatches of shape (4,).
+    with pytest.raises(TypeError, match=r"one tensor of shape \(3, 4\); pass a list"):
+        verify(nn.Linear(4, 4), torch.randn(3, 4))  # type: ignore[arg-type]
