@@ -22,6 +22,22 @@ from gradsafe.pipelining._verify_run import cast_module, projection_loss
 from gradsafe.pipelining._verify_schedule import placement
 
 
+def apply_gradsafe() -> None:
+    """``gradsafe.patch("pipelining")``, or raise: a patch skipped on this torch would leave
+    torch's own split in the column that reports gradsafe's."""
+    import gradsafe
+
+    gradsafe.patch("pipelining")
+    state = gradsafe.status()["pipelining"]
+    if state.state != "active":
+        raise RuntimeError(
+            f"gradsafe.patch('pipelining') is {state.state} on torch {torch.__version__}"
+            f"{f' ({state.skipped})' if state.skipped else ''}, so this rank would run torch's own "
+            "split under gradsafe's name. Run the single-process `gradsafe verify` (it calls "
+            "gradsafe's split directly) and see `gradsafe doctor` for why the patch does not apply."
+        )
+
+
 def main() -> None:
     rank, port, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     schedule, mode, spec, dtype_name, workdir = sys.argv[4:9]
@@ -37,9 +53,7 @@ def main() -> None:
         from torch.distributed import pipelining
 
         if mode == "gradsafe":
-            import gradsafe
-
-            gradsafe.patch("pipelining")
+            apply_gradsafe()
         dtype = getattr(torch, dtype_name)
         stages, _, *rest = load_factory(spec)
         loss = rest[0] if rest else projection_loss

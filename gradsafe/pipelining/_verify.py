@@ -114,6 +114,12 @@ def verify(
         raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
     if dtype not in _TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
+    _verify_run.refuse_gradients_kept_elsewhere(modules)
+    if isinstance(microbatches, torch.Tensor):  # iterating it would make each row a microbatch
+        raise TypeError(
+            f"microbatches is one tensor of shape {tuple(microbatches.shape)}; pass a list of "
+            "microbatches, each a tuple of the first stage's inputs (e.g. [(x,)] for one)."
+        )
     batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
     if not batches:
         raise ValueError("microbatches is empty: pass at least one microbatch.")
@@ -201,13 +207,15 @@ def _report(
     timed: bool,
 ) -> VerifyReport:
     tol = _TOLERANCE[dtype]
-    wanted = {**reference.params, **reference.inputs}
+    moves = _changed_values(reference, runs)
+    wanted = {**reference.params, **reference.inputs, **moves}
     rows: list[GradRow] = []
     errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
     oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
     for impl, per in runs.items():
         for order, res in per.items():
-            got = {**res.params, **res.inputs}
+            moved = {k: res.values.get(k, torch.zeros_like(v)) for k, v in moves.items()}
+            got = {**res.params, **res.inputs, **moved}
             for name, want in wanted.items():
                 err, ok = (
                     (None, None)
@@ -230,7 +238,7 @@ def _report(
                 row_errors.setdefault(impl, {})[order] = _worst_of(values)
                 row_oks.setdefault(impl, {})[order] = None if None in flags else all(flags)
         present = [t for t in (wanted[n] for n in names) if t is not None]
-        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in present]
+        maxima = [float(t.abs().max()) if t.numel() else 0.0 for t in map(_dense, present)]
         rows.append(
             GradRow(
                 row_name,
@@ -283,6 +291,26 @@ def _report(
         refused=refused,
         timing=timing,
     )
+
+
+def _changed_values(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]]
+) -> dict[str, torch.Tensor]:
+    """Fused's parameter moves (zeros where it moved none) that some run left otherwise: a
+    hook stepping the parameters in backward (an optimizer step in backward)."""
+    done = [r for per in runs.values() for r in per.values() if r.error is None]
+    changed: dict[str, torch.Tensor] = {}
+    for key in dict.fromkeys(k for r in (reference, *done) for k in r.values):
+        some = next(r.values[key] for r in (reference, *done) if key in r.values)
+        want = reference.values.get(key, torch.zeros_like(some))
+        if any(not torch.equal(r.values.get(key, torch.zeros_like(some)), want) for r in done):
+            changed[key] = want
+    return changed
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a form with ``abs().max()``: a sparse gradient dense."""
+    return t.to_dense()
 
 
 def _worst_of(values: list[float | str | None]) -> float | str | None:

@@ -21,11 +21,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parameter import is_lazy
 
 from gradsafe.pipelining import _verify_hazards
 from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.pipelining._torch import apply_to_tensors
 from gradsafe.pipelining._verify_hooks import HookCounter
+from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
     "ORDERS",
@@ -35,6 +37,7 @@ __all__ = [
     "compare",
     "events",
     "projection_loss",
+    "refuse_gradients_kept_elsewhere",
     "run",
 ]
 
@@ -70,6 +73,51 @@ class RunResult:
     timing: tuple[float, float] = (0.0, 0.0)  # backward wall, thread CPU
     peak_bytes: int | None = None  # most live storage created from the first forward on
     hazards: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # "value of NAME after the run": how far each parameter moved from its initial
+    # value, where it moved (absent: it did not; a lazy one's value itself). A hook that folds the
+    # gradient into the parameter (an optimizer step in backward) leaves no .grad
+    # to compare: a wrong gradient shows only here.
+    values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
+    """Raise if a parameter's gradient lives outside what verify compares (``.grad``).
+
+    A delayed weight (``skip_backward_post_hook``) gets its gradient from a W pass of
+    its own (a WeightGradStore's, TransformerEngine's), which no verify run calls: None
+    in every run, it would compare equal unchecked. A parameter with ``main_grad``
+    belongs to a Megatron-style data-parallel wrapper, whose hooks (read from the
+    caller's parameters and run on the copies) act on the caller's parameter itself.
+    """
+    prefixes = [f"{s}." if len(modules) > 1 else "" for s in range(len(modules))]
+    named = [
+        (prefix + name, p)
+        for prefix, module in zip(prefixes, modules)
+        for name, p in module.named_parameters()
+    ]
+    delayed = [name for name, p in named if grad_lifetime_is_managed(p)]
+    wrapped = [name for name, p in named if hasattr(p, "main_grad")]
+    if delayed:
+        raise ValueError(
+            f"verify cannot check {_some(delayed)}: marked as delayed (skip_backward_post_hook), "
+            "its weight gradient comes from a W pass of its own (a gradsafe.wgrad.WeightGradStore's, "
+            "TransformerEngine's) that verify does not run, so it would be None in every run and "
+            "compare equal unchecked. Build the stages for verify with the delay off (the kernel "
+            "returning or fusing its weight gradient in B); gradsafe.wgrad's own checks cover the "
+            "store's W pass."
+        )
+    if wrapped:
+        raise ValueError(
+            f"verify cannot check {_some(wrapped)}: it has a main_grad, so a Megatron-style "
+            "data-parallel wrapper owns its gradient. Its hooks act on your parameter itself "
+            "(they would add your .grad into your main_grad and clear it while verify runs on "
+            "copies), and verify compares .grad, not main_grad. Verify the stages before wrapping "
+            "them (and with gradient-accumulation fusion off)."
+        )
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" (and {len(names) - 4} more)" if len(names) > 4 else "")
 
 
 def events(order: str | None, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
@@ -234,6 +282,7 @@ def _run(
                 key = prefixes[s] + name
                 result.params[key] = None if p.grad is None else p.grad.detach().clone()
                 result.shapes[key] = tuple(p.shape)
+    _record_values(modules, copies, prefixes, result)
     for (s, k), grads in sorted(dinputs.items()):
         for i, (value, grad) in enumerate(zip(inputs[s, k], grads)):
             if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -241,6 +290,31 @@ def _run(
                 result.inputs[key] = None if grad is None else grad.detach().clone()
                 result.shapes[key] = tuple(value.shape)
     return result
+
+
+def _record_values(
+    modules: Sequence[nn.Module],
+    copies: Sequence[nn.Module],
+    prefixes: Sequence[str],
+    result: RunResult,
+) -> None:
+    # The caller's tensors are unchanged by verify: cast, they are every run's start.
+    # Parameters only: buffers change in forwards (BatchNorm's running statistics,
+    # again in a checkpoint's recomputation), whose count is compared already, and
+    # a first stage's recomputation moves to W's slot in any split schedule.
+    for prefix, module, copied in zip(prefixes, modules, copies):
+        starts = dict(module.named_parameters())
+        for name, end in copied.named_parameters():
+            key = f"value of {prefix}{name} after the run"
+            final, start = end.detach(), starts.get(name)
+            # A lazy module's parameters exist only in the copies: their value is compared.
+            result.shapes[key] = tuple(final.shape)
+            if start is None or is_lazy(start) or start.shape != final.shape:
+                result.values[key] = final.clone()
+                continue
+            move = final - start.detach().to(final)
+            if move.any():  # kept only where it moved: a model's worth of zeros per run else
+                result.values[key] = move
 
 
 def _forward(
@@ -389,16 +463,22 @@ def compare(
 ) -> tuple[float | str, bool]:
     """Relative max error of ``got`` against ``want`` and whether it is within ``tol``.
 
-    A missing gradient on one side only, or a shape mismatch, is a "None pattern".
+    A missing gradient on one side only, or a shape or layout (sparse against
+    dense) mismatch, is a "None pattern".
+    Complex tensors are compared as complex (``double()`` would drop the
+    imaginary part).
     """
     if (want is None) != (got is None):
         return "None pattern", False
     if want is None or got is None:
         return 0.0, True
-    if got.shape != want.shape:
+    if got.shape != want.shape or got.layout != want.layout:
         return "None pattern", False
-    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    # A sparse gradient (nn.Embedding(sparse=True)) has no max: compare its dense form.
+    want, got = want.to_dense(), got.to_dense()
+    wide = torch.complex128 if got.is_complex() or want.is_complex() else torch.float64
+    diff = float((got.to(wide) - want.to(wide)).abs().max()) if want.numel() else 0.0
+    scale = float(want.to(wide).abs().max()) if want.numel() else 0.0
     if math.isnan(diff):
         return float("nan"), False
     rel = diff / scale if scale > 0 else diff

@@ -9,7 +9,6 @@ rank share parameters (as they do across ranks' memories).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import socket
@@ -168,6 +167,7 @@ def verify_schedule(
     say = progress or (lambda line: None)
     stages, microbatches, *rest = load_factory(spec)
     stages = list(stages)
+    _verify_run.refuse_gradients_kept_elsewhere(stages)
     if len(stages) != 2 * ranks:
         raise ValueError(
             f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
@@ -182,17 +182,22 @@ def verify_schedule(
         )
     loss = rest[0] if rest else _verify_run.projection_loss
     where = placement(schedule, ranks)
-    # Reference: stages on one rank share what they share; across ranks nothing is shared.
+    # Reference: stages on one rank share what they share; across ranks nothing is
+    # shared. Each rank's stages come from a build of their own, as on the ranks: a
+    # deep copy would drop the hooks the factory put on the parameters.
     ordered: list[Any] = [None] * len(stages)
     for indices in where.values():
-        for i, module in zip(indices, copy.deepcopy([stages[i] for i in indices])):
-            ordered[i] = module
+        built = list(load_factory(spec)[0])
+        for i in indices:
+            ordered[i] = built[i]
+            ordered[i].load_state_dict(stages[i].state_dict())
     say("verify --schedule: single-process reference ...")
     reference = _verify_run.run(ordered, batches, loss, dtype, None, None, 0)
     if reference.error is not None:
         raise RuntimeError(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}"
         )
+    _refuse_consumed_gradients(reference)
     results: dict[str, dict[int, RankResult]] = {}
     errors: dict[str, dict[str, float | str | None]] = {}
     tol = _TOLERANCE[dtype]
@@ -219,6 +224,24 @@ def verify_schedule(
     return ScheduleReport(
         schedule, ranks, str(dtype).removeprefix("torch."), torch.__version__, tol, results, errors
     )
+
+
+def _refuse_consumed_gradients(reference: _verify_run.RunResult) -> None:
+    """The ranks report gradients only: a parameter whose hook consumed its gradient (stepped it
+    and cleared ``.grad``) would compare None with None and pass, whatever the schedule gave it."""
+    consumed = [
+        name
+        for name, grad in reference.params.items()
+        if grad is None and bool(reference.values[f"value of {name} after the run"].ne(0).any())
+    ]
+    if consumed:
+        raise ValueError(
+            f"--schedule compares parameter gradients, but {', '.join(consumed[:4])}"
+            f"{' ...' if len(consumed) > 4 else ''} moved during the backward and kept no .grad "
+            "(a hook stepped it: an optimizer step in backward), so there is no gradient to "
+            "compare. Run the single-process `gradsafe verify` (without --schedule), which "
+            "compares parameter values too, or leave the hook out of the factory for this check."
+        )
 
 
 def _launch(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -93,6 +94,18 @@ class PendingWeightGrads:
         # Parameters this pass has yet to deliver (ids: the uses hold the parameters until then).
         self._undelivered = {id(use.param) for use in uses}
 
+    def __del__(self) -> None:
+        # Dropped without run(): its weight gradients are lost from the step. A
+        # finalizer cannot refuse, so it warns (a schedule that skips a W pass).
+        if self._state is _State.SEALED and self._uses:
+            warnings.warn(
+                f"a sealed W pass (PendingWeightGrads with {len(self._uses)} recorded weight "
+                "use(s)) was dropped without run(): those weight gradients are missing from the "
+                "step. Run every sealed pass once, after its B pass.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def __len__(self) -> int:
         """Number of recorded weight uses."""
         return len(self._uses)
@@ -128,6 +141,7 @@ class PendingWeightGrads:
                 raise RuntimeError(f"PendingWeightGrads.run: {_CAPTURED_OUTSIDE}")
             self._refuse_gradients_no_hook_would_take()
             self._refuse_reads_modified_since_b()
+            self._refuse_params_freed_since_b()
             self._state = _State.RUNNING
         try:
             self._deliver()
@@ -180,11 +194,30 @@ class PendingWeightGrads:
                         "graphed(x).clone()). Nothing was applied; this pass stays unrun."
                     )
 
+    def _refuse_params_freed_since_b(self) -> None:
+        for use in self._uses:
+            if _storage_freed(use.param):
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: the delayed parameter of shape "
+                    f"{tuple(use.param.shape)} has had its storage freed since B recorded it, so "
+                    "its W gradient would go into a .grad that no one reads. The usual cause: "
+                    "FSDP2 (fully_shard) recorded its unsharded parameter, reduce-scattered the "
+                    "gradients at the end of B and resharded, freeing it; the delayed gradient "
+                    "would be lost from the step. A delayed weight gradient needs a data-parallel "
+                    "wrapper that waits for W (Megatron-core's DistributedDataParallel with "
+                    "delay_wgrad_compute=True, see docs/wgrad.md); under FSDP2 or torch's "
+                    "DistributedDataParallel compute the weight gradient in B (no wgrad store). "
+                    "Nothing was applied; this pass stays unrun."
+                )
+
     def _deliver(self) -> None:
         by_param: dict[int, list[_Use]] = {}
         for use in self._uses:
             by_param.setdefault(id(use.param), []).append(use)
-        with torch.no_grad():
+        read = {_memory(r.tensor) for use in self._uses for r in use.reads}
+        # Not inference mode, even if the caller runs W in it: a .grad made there is an
+        # inference tensor, which the next accumulation (W's or AccumulateGrad's) refuses.
+        with torch.inference_mode(False), torch.no_grad():
             for uses in by_param.values():
                 param = uses[0].param
                 fused = [use for use in uses if use.accumulate_into_main_grad]
@@ -193,7 +226,7 @@ class PendingWeightGrads:
                     _accumulate_into_main_grad(param, fused)
                     flag_main_grad_written(param)
                 if unfused:
-                    _accumulate_into_grad(param, unfused)
+                    _accumulate_into_grad(param, unfused, read)
                     flag_grad_written(param)
                 self._undelivered.discard(id(param))
                 hooks = self._hooks.get(param)
@@ -220,8 +253,16 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
             )
 
 
-def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s memory starts (shared by its views); a tensor subclass stands for itself."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return -id(t)
+    return t.untyped_storage().data_ptr()
+
+
+def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use], read: set[int]) -> None:
     total: torch.Tensor | None = None
+    summed = False  # total is this function's own sum, not a closure's tensor
     for use in uses:
         wgrad = use.compute(None)
         if wgrad is None or wgrad.shape != param.shape:
@@ -230,16 +271,38 @@ def _accumulate_into_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 f"an unfused WeightGradClosure must return the weight gradient of shape "
                 f"{tuple(param.shape)}, got {got}"
             )
-        total = wgrad if total is None else total.add_(wgrad)
+        if total is None:
+            total = wgrad
+        elif summed:
+            total.add_(wgrad)
+        else:
+            # Never add into a closure's tensor: it may be one another closure of
+            # this pass still reads (a bias-like weight's gradient is grad_out itself).
+            total, summed = total + wgrad, True
     if total is None:  # callers pass at least one use
         return
     if param.grad is None:
-        # AccumulateGrad's layout contract: .grad has the parameter's strides.
-        if total.stride() != param.stride() or total.dtype != param.dtype:
+        # AccumulateGrad's layout contract: .grad has the parameter's strides. And a
+        # closure's result that is (a view of) a tensor this pass reads is copied: a
+        # grad-ready hook writing .grad in place (zero_()) would change what a later
+        # closure of the pass reads.
+        if (
+            total.stride() != param.stride()
+            or total.dtype != param.dtype
+            or (not summed and _memory(total) in read)
+        ):
             total = torch.empty_like(param).copy_(total)
         param.grad = total
     else:
         param.grad.add_(total)
+
+
+def _storage_freed(param: torch.Tensor) -> bool:
+    """Whether ``param``'s memory was released in place (``untyped_storage().resize_(0)``, as
+    FSDP2 does to an unsharded parameter when it reshards)."""
+    if param.numel() == 0 or param.is_meta or type(param) not in (torch.Tensor, torch.nn.Parameter):
+        return False  # a tensor subclass (a DTensor) has no storage of its own to ask about
+    return param.untyped_storage().nbytes() == 0
 
 
 def _read(t: torch.Tensor) -> _Read:
@@ -333,13 +396,22 @@ class WeightGradStore:
                 rewrites).
 
         Raises:
-            ValueError: a tensor in ``reads`` is an inference tensor (it has
-                no version to check).
+            ValueError: ``param`` is not a leaf (a view such as ``weight.t()``:
+                its ``.grad`` never reaches the parameter), or a tensor in
+                ``reads`` is an inference tensor (it has no version to check).
             RuntimeError: records made during a CUDA graph capture are still
                 open after it ended (a delayed kernel inside a graphed
                 callable): they are discarded. Records made, sealed and run
                 within one capture (a whole-step graph) are fine.
         """
+        if param.grad_fn is not None:
+            raise ValueError(
+                f"WeightGradStore.record: the parameter given (shape {tuple(param.shape)}) is not a "
+                f"leaf but the output of {param.grad_fn.name()} (e.g. weight.t(), a tied weight "
+                "passed as a view), so W would put its gradient in that tensor's .grad, which "
+                "never reaches the parameter. Pass the parameter itself to the kernel (and record "
+                "it), and apply the view inside the kernel and the closure."
+            )
         read = tuple(_read(t) for t in reads)
         capturing = _graph_capture_underway()
         mark_delayed_wgrad(param)

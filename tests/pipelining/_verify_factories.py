@@ -96,3 +96,28 @@ def eight_prefix_stages() -> tuple[list[nn.Module], list[Any]]:
     stages, batches = four_prefix_stages()
     torch.manual_seed(1)
     return [_PrefixStage(last=i == 7) for i in range(8)], batches
+
+
+def _sgd_step(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.add_(p.grad, alpha=-0.1)
+    p.grad = None
+
+
+def stepped_in_backward() -> tuple[list[nn.Module], list[Any]]:
+    """Four stages whose parameters take an SGD step in backward (optimizer in backward)."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)]
+    for stage in stages:
+        for p in stage.parameters():
+            p.register_post_accumulate_grad_hook(_sgd_step)
+    return stages, _batches()
+
+
+def doubled_by_hooks() -> tuple[list[nn.Module], list[Any]]:
+    """Four stages whose weights' gradients a tensor hook doubles (the hook is the factory's)."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)]
+    for stage in stages:
+        stage[0].weight.register_hook(lambda g: 2 * g)
+    return stages, _batches()

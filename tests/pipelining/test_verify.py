@@ -277,3 +277,45 @@ def test_complex_buffers_keep_their_imaginary_part_in_the_copies(dtype: torch.dt
     report = verify(module, _batches(2), dtype=dtype, orders=("w-after-b",))
     assert report.ok, str(report)
     assert module.cache.dtype == before.dtype and torch.equal(module.cache, before)
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids)) * x
+
+
+def _densifying_split() -> Split:
+    """gradsafe's split whose W then turns the sparse embedding gradient dense."""
+    real = _GRADSAFE_SPLIT()
+
+    def weight(weights: Any, handoff: Any) -> Any:
+        params = list(weights)
+        result = real.backward_weight(params, handoff)
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        return result
+
+    return Split(real.backward_input, weight, real.backward)
+
+
+def test_sparse_gradients_are_compared_and_a_dense_one_in_their_place_is_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 10, (3,), generator=generator), torch.randn(3, 4, generator=generator))
+        for _ in range(4)
+    ]
+    torch.manual_seed(0)
+    report = verify(_SparseEmbedding(), batches)
+    assert report.ok, str(report)
+    monkeypatch.setattr(_verify, "_gradsafe_split", _densifying_split)
+    report = verify(_SparseEmbedding(), batches)
+    assert not report.ok
+    assert all(r.params == ("emb.weight",) for r in report.gradsafe.values()), str(report)

@@ -76,3 +76,39 @@ def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
     assert isinstance(report, ScheduleReport)
     _check_agrees(report.to_json(), _single_process_wrong())
     assert "rank" in str(report) and "OK" in str(report)
+
+
+def test_schedule_refuses_parameters_whose_gradient_a_hook_consumed() -> None:
+    # The ranks report .grad only: None against None would pass whatever the step was.
+    with pytest.raises(ValueError, match=r"0\.0\.weight.*kept no \.grad.*without --schedule"):
+        verify_schedule("_verify_factories:stepped_in_backward", "ZBVZeroBubble", 2)
+
+
+def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(HERE)
+    # A deep copy drops parameter hooks: the reference must be built as the ranks build it.
+    report = verify_schedule("_verify_factories:doubled_by_hooks", "ZBVZeroBubble", 2)
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    assert report.ok, str(report)
+    assert {r.verdict for r in report.results["upstream"].values()} == {"right"}, str(report)
+
+
+def test_a_gradsafe_rank_refuses_when_the_pipelining_patch_does_not_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A skipped patch leaves torch's own split in place: the column that reports
+    # gradsafe's split must not report torch's.
+    import dataclasses
+
+    import gradsafe
+    from gradsafe._verify_worker import apply_gradsafe
+
+    skipped = dataclasses.replace(
+        gradsafe.status()["pipelining"], state="skipped", refcount=0, skipped="probe failed: X"
+    )
+    monkeypatch.setattr(gradsafe, "patch", lambda *names: None)
+    monkeypatch.setattr(gradsafe, "status", lambda: {"pipelining": skipped})
+    with pytest.raises(RuntimeError, match=r"is skipped .*\(probe failed: X\).*torch's own split"):
+        apply_gradsafe()
