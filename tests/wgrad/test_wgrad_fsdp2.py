@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("_fsdp2_delayed_worker.py")
 
