@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -271,9 +272,12 @@ def _launch(
         for r in range(ranks)
     ]
     logs: list[str] = []
+    # One deadline for the run, not one per rank: waiting on each in turn would allow ranks x it.
+    deadline = time.monotonic() + _TIMEOUT_S
     for proc in procs:
         try:
-            logs.append(proc.communicate(timeout=_TIMEOUT_S)[0].decode(errors="replace"))
+            left = max(0.0, deadline - time.monotonic())
+            logs.append(proc.communicate(timeout=left)[0].decode(errors="replace"))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
