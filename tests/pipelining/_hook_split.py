@@ -48,3 +48,15 @@ def assert_same(forward: Forward) -> None:
             )
             if ft is not None:
                 torch.testing.assert_close(st, ft, rtol=0, atol=1e-12)
+
+
+class PassThrough(torch.autograd.Function):
+    """``x + w`` whose backward hands one tensor to both: B runs it whole and keeps ``w``'s for W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x + w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad

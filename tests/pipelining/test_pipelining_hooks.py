@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _hook_split import PassThrough
 from _hook_split import assert_same as _assert_same
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -608,25 +609,13 @@ def test_retain_grad_on_weight_only_tensor_under_offloading() -> None:
     torch.testing.assert_close(wt.grad, want, rtol=0, atol=1e-12)
 
 
-class _PassThrough(torch.autograd.Function):
-    """``x + w`` whose backward hands one tensor to both: B runs it whole and keeps ``w``'s for W."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x + w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad
-
-
 @pytest.mark.parametrize("where", ["tensor hook", "accumulator pre-hook"])
 def test_kept_gradient_shared_with_b_input_gradient_is_not_changed_by_a_mutating_hook(
     where: str,
 ) -> None:
     """A gradient B keeps for W that is also the input gradient B returned stays B's.
 
-    ``_PassThrough``'s backward returns one tensor for ``x`` and ``w``: B returns it as
+    ``PassThrough``'s backward returns one tensor for ``x`` and ``w``: B returns it as
     ``dx`` (and ``x.grad``) and keeps it for W as ``w``'s gradient. A hook on ``w`` that
     multiplies its argument in place must not reach ``dx``, which the schedule may not
     have sent yet (a fused backward leaves ``x.grad`` as ``g``: AccumulateGrad copies a
@@ -641,11 +630,11 @@ def test_kept_gradient_shared_with_b_input_gradient_is_not_changed_by_a_mutating
         node.register_prehook(lambda grads: (grads[0].mul_(3), None)[1])
     g = torch.randn(3, 4)
     x = torch.randn(3, 4, requires_grad=True)
-    _PassThrough.apply(x, w).backward(g.clone())
+    PassThrough.apply(x, w).backward(g.clone())
     want_w, want_x = w.grad.clone(), x.grad.clone()  # type: ignore[union-attr]
     torch.testing.assert_close(want_x, g, rtol=0, atol=0)
     w.grad = x.grad = None
-    (dx,), handoff = stage_backward_input([_PassThrough.apply(x, w)], [g.clone()], [x], [w])
+    (dx,), handoff = stage_backward_input([PassThrough.apply(x, w)], [g.clone()], [x], [w])
     assert handoff.num_kept == 1 and dx is not None
     before = dx.clone()
     stage_backward_weight([w], handoff)
@@ -686,7 +675,7 @@ def test_gradient_w_reads_later_is_not_changed_by_a_hook_mutating_one_it_shares_
 ) -> None:
     """What arrived at an intermediate in B is what W calls it on, whatever a hook did to an alias.
 
-    ``x @ w`` receives the same tensor as ``r``: through ``_PassThrough`` (B keeps ``r``'s
+    ``x @ w`` receives the same tensor as ``r``: through ``PassThrough`` (B keeps ``r``'s
     gradient for W), or as the output gradient also given for the weight-only output
     ``r.view(...)``. W delivers ``r``'s gradient (into a ``.grad`` it holds) before it calls
     ``x @ w``'s node, so a hook on
@@ -708,7 +697,7 @@ def test_gradient_w_reads_later_is_not_changed_by_a_hook_mutating_one_it_shares_
         x = torch.randn(3, 4, requires_grad=True)
         g = torch.randn(3, 4)
         if shared == "kept by B":
-            outs, grads = [_PassThrough.apply(x @ w, r)], [g]
+            outs, grads = [PassThrough.apply(x @ w, r)], [g]
         else:
             outs, grads = [x @ w, r.view(12).view(3, 4)], [g, g]
         if not split:

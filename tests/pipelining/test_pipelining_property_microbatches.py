@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from _hook_split import PassThrough
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -48,18 +49,6 @@ OPS = (
     "sparse_embedding",
 )
 HOOKS = ("none", "tensor_returns", "tensor_in_place", "accumulator_pre", "post_accumulate")
-
-
-class _Add(torch.autograd.Function):
-    """``x + w`` handing one tensor to both."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x + w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad
 
 
 class _Mul(torch.autograd.Function):
@@ -126,7 +115,7 @@ class Stage(nn.Module):
             wt.register_hook(_scale(1.5, self.in_place))
             return h @ wt
         if op == "custom_add":
-            return _Add.apply(h, self.r)
+            return PassThrough.apply(h, self.r)
         if op == "custom_mul":
             return _Mul.apply(h, self.b)
         # The sparse embedding's weight also used densely (a tied head).
