@@ -77,118 +77,17 @@ saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
 
 from __future__ import annotations
 
-from gradsafe.pipelining._torch._engine import (
-    DONATED_BUFFERS,
-    EngineError,
-    apply_function,
-    backwards_spare,
-    captured_grads,
-    current_exec_group,
-    deferred_callbacks,
-    engine_error,
-    exec_group,
-    queue_callback,
-    run_backward,
-)
-from gradsafe.pipelining._torch._hooks import (
-    has_other_post_hooks,
-    module_backward_hook_dicts,
-    multi_grad_hook_cells,
-    multi_grad_hook_codes,
-    multi_grad_hook_spans,
-    silenced_gradient_hooks,
-    silenced_tensor_hooks,
-    tensor_hook_dicts,
-)
-from gradsafe.pipelining._torch._nodes import (
-    call_node,
-    crashes_weight_only,
-    donates_buffers,
-    freed_storages,
-    grad_target,
-    has_hooked_saved,
-    input_meta,
-    is_modified_in_place,
-    is_python_kind,
-    is_python_node,
-    is_reentrant_checkpoint,
-    is_view,
-    leaf_variable,
-    refusable_kind,
-    runs_whole,
-    saved_unusable,
-    saves_itself,
-    saves_storage,
-    version,
-)
-from gradsafe.pipelining._torch._probe import (
-    missing_feature,
-)
-from gradsafe.pipelining._torch._state import (
-    RngStates,
-    TorchDispatchMode,
-    apply_to_tensors,
-    device_probes_answer,
-    fsdp_counterparts,
-    live_nbytes,
-    rng_states,
-    schedule_action,
-    set_rng_states,
-    split_backward_module,
-    storage_key,
-    storages_of,
-)
+# Each topic module's __all__ is the package's surface: listed once, there.
+from gradsafe.pipelining._torch import _engine, _hooks, _nodes, _probe, _state
+from gradsafe.pipelining._torch._engine import *  # noqa: F403
+from gradsafe.pipelining._torch._hooks import *  # noqa: F403
+from gradsafe.pipelining._torch._nodes import *  # noqa: F403
+from gradsafe.pipelining._torch._probe import *  # noqa: F403
+from gradsafe.pipelining._torch._state import *  # noqa: F403
 
-__all__ = [
-    "DONATED_BUFFERS",
-    "EngineError",
-    "RngStates",
-    "TorchDispatchMode",
-    "apply_function",
-    "apply_to_tensors",
-    "backwards_spare",
-    "call_node",
-    "captured_grads",
-    "crashes_weight_only",
-    "current_exec_group",
-    "deferred_callbacks",
-    "device_probes_answer",
-    "donates_buffers",
-    "freed_storages",
-    "engine_error",
-    "exec_group",
-    "fsdp_counterparts",
-    "live_nbytes",
-    "grad_target",
-    "has_hooked_saved",
-    "has_other_post_hooks",
-    "input_meta",
-    "is_modified_in_place",
-    "is_python_kind",
-    "is_python_node",
-    "is_reentrant_checkpoint",
-    "is_view",
-    "leaf_variable",
-    "missing_feature",
-    "module_backward_hook_dicts",
-    "multi_grad_hook_cells",
-    "multi_grad_hook_codes",
-    "multi_grad_hook_spans",
-    "queue_callback",
-    "refusable_kind",
-    "rng_states",
-    "run_backward",
-    "runs_whole",
-    "saved_unusable",
-    "saves_storage",
-    "saves_itself",
-    "schedule_action",
-    "set_rng_states",
-    "silenced_gradient_hooks",
-    "silenced_tensor_hooks",
-    "split_backward_module",
-    "storage_key",
-    "storages_of",
-    "tensor_hook_dicts",
-    "version",
-]
+__all__: list[str] = []
+__all__ += _engine.__all__
+__all__ += _hooks.__all__
+__all__ += _nodes.__all__
+__all__ += _probe.__all__
+__all__ += _state.__all__
