@@ -11,10 +11,7 @@ grads after the second step, post-accumulate hook counts, and the capture order
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -58,94 +55,82 @@ def stage_indices(kind: str, rank: int) -> list[int]:
     return sorted([rank, STAGES - 1 - rank] if kind == "ZBV" else [rank, rank + 2])
 
 
+def run(rank: int, kind: str) -> dict[str, object]:
+    result: dict[str, object] = {}
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    from gradsafe.cuda_graphs.capture_order import CaptureOrder
+    from gradsafe.cuda_graphs.split_stages import make_graphed_split_callables
+    from gradsafe.testing import emulate_cuda_graphs
+
+    schedule_cls = ScheduleZBVZeroBubble if kind == "ZBV" else ScheduleInterleavedZeroBubble
+    modules = build_stages()
+    indices = stage_indices(kind, rank)
+    rows = ROWS // MICROBATCHES
+    with emulate_cuda_graphs():
+        order = CaptureOrder.from_schedule_class(
+            schedule_cls, rank=rank, ranks=2, microbatches=MICROBATCHES
+        )
+        graphed = make_graphed_split_callables(
+            [modules[i] for i in indices],
+            [(torch.randn(rows, DIM, dtype=torch.float64, requires_grad=i != 0),) for i in indices],
+            order,
+        )
+        counts: dict[str, int] = {}
+        for index in indices:
+            for name, p in modules[index].named_parameters():
+                key = f"{index}.{name}"
+                counts[key] = 0
+
+                def hook(p: torch.Tensor, key: str = key) -> None:
+                    counts[key] += 1
+
+                p.register_post_accumulate_grad_hook(hook)
+
+        # Static stage metadata: the stage runs no forward to infer it (which would
+        # replay a graph out of order). requires_grad says which gradients flow.
+        def example(requires_grad: bool) -> torch.Tensor:
+            return torch.empty(rows, DIM, dtype=torch.float64, requires_grad=requires_grad)
+
+        stages = [
+            PipelineStage(
+                modules[i],
+                i,
+                STAGES,
+                torch.device("cpu"),
+                input_args=(example(i != 0),),
+                output_args=(example(True),),
+                group=dist.group.WORLD,
+                dw_builder=graphed.dw_builder(chunk),
+            )
+            for chunk, i in enumerate(indices)
+        ]
+        schedule = schedule_cls(stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+        ran = CaptureOrder.from_schedule(schedule, rank)
+        result["order_matches"] = ran.entries == order.entries
+        for step in range(STEPS):
+            for i in indices:
+                modules[i].zero_grad(set_to_none=True)
+            x, y = batch(step)
+            has_first, has_last = 0 in indices, STAGES - 1 in indices
+            schedule.step(*((x,) if has_first else ()), **({"target": y} if has_last else {}))
+        result["position"] = graphed.position
+    result["grads"] = {
+        f"{i}.{n}": p.grad.clone() for i in indices for n, p in modules[i].named_parameters()
+    }
+    result["hooks"] = counts
+    return result
+
+
 def main() -> None:
     rank, port, kind, outdir = (int(sys.argv[1]), *sys.argv[2:5])
-    result: dict[str, object] = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=60),
-        )
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            ScheduleInterleavedZeroBubble,
-            ScheduleZBVZeroBubble,
-        )
+    from tests._rank_worker import run_rank  # the workers' path has the repository root
 
-        from gradsafe.cuda_graphs.capture_order import CaptureOrder
-        from gradsafe.cuda_graphs.split_stages import make_graphed_split_callables
-        from gradsafe.testing import emulate_cuda_graphs
-
-        schedule_cls = ScheduleZBVZeroBubble if kind == "ZBV" else ScheduleInterleavedZeroBubble
-        modules = build_stages()
-        indices = stage_indices(kind, rank)
-        rows = ROWS // MICROBATCHES
-        with emulate_cuda_graphs():
-            order = CaptureOrder.from_schedule_class(
-                schedule_cls, rank=rank, ranks=2, microbatches=MICROBATCHES
-            )
-            graphed = make_graphed_split_callables(
-                [modules[i] for i in indices],
-                [
-                    (torch.randn(rows, DIM, dtype=torch.float64, requires_grad=i != 0),)
-                    for i in indices
-                ],
-                order,
-            )
-            counts: dict[str, int] = {}
-            for index in indices:
-                for name, p in modules[index].named_parameters():
-                    key = f"{index}.{name}"
-                    counts[key] = 0
-
-                    def hook(p: torch.Tensor, key: str = key) -> None:
-                        counts[key] += 1
-
-                    p.register_post_accumulate_grad_hook(hook)
-
-            # Static stage metadata: the stage runs no forward to infer it (which would
-            # replay a graph out of order). requires_grad says which gradients flow.
-            def example(requires_grad: bool) -> torch.Tensor:
-                return torch.empty(rows, DIM, dtype=torch.float64, requires_grad=requires_grad)
-
-            stages = [
-                PipelineStage(
-                    modules[i],
-                    i,
-                    STAGES,
-                    torch.device("cpu"),
-                    input_args=(example(i != 0),),
-                    output_args=(example(True),),
-                    group=dist.group.WORLD,
-                    dw_builder=graphed.dw_builder(chunk),
-                )
-                for chunk, i in enumerate(indices)
-            ]
-            schedule = schedule_cls(stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-            ran = CaptureOrder.from_schedule(schedule, rank)
-            result["order_matches"] = ran.entries == order.entries
-            for step in range(STEPS):
-                for i in indices:
-                    modules[i].zero_grad(set_to_none=True)
-                x, y = batch(step)
-                has_first, has_last = 0 in indices, STAGES - 1 in indices
-                schedule.step(*((x,) if has_first else ()), **({"target": y} if has_last else {}))
-            result["position"] = graphed.position
-        result["grads"] = {
-            f"{i}.{n}": p.grad.clone() for i in indices for n, p in modules[i].named_parameters()
-        }
-        result["hooks"] = counts
-    except Exception as exc:  # report, don't hang the peer
-        result["crash"] = (
-            f"{type(exc).__name__}: {exc}"[:2000] + "\n" + traceback.format_exc()[-3000:]
-        )
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    if "crash" in result:
-        os._exit(1)  # close the sockets so the peer fails fast instead of waiting on a recv
-    dist.destroy_process_group()
+    run_rank(rank, port, outdir, lambda: run(rank, kind))
 
 
 if __name__ == "__main__":
