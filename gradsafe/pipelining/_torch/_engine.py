@@ -31,6 +31,7 @@ __all__ = [
     "deferred_callbacks",
     "engine_error",
     "exec_group",
+    "on_device_thread",
     "queue_callback",
     "run_backward",
 ]
@@ -164,7 +165,7 @@ class _Engine:
             # thread's W over a tied weight holds none of this thread's, except
             # on a device thread, which runs the nodes of every thread's W.
             me = threading.get_ident()
-            device_thread = isinstance(threading.current_thread(), threading._DummyThread)
+            device_thread = on_device_thread()
             for thread, nodes, held in tuple(reversed(_DEFERRING)):
                 if (thread == me or device_thread) and node in nodes:
                     held.append(callback)
@@ -206,6 +207,12 @@ class _Engine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+def on_device_thread() -> bool:
+    """Whether this is one of autograd's device threads (made in C++, unknown to ``threading``),
+    which run a GPU backward's nodes, and their hooks, for every Python thread's backward."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def queue_callback(callback: Callable[[], None]) -> None:

@@ -21,6 +21,8 @@ import torch
 from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe.pipelining._torch._engine import on_device_thread
+
 __all__ = [
     "has_other_post_hooks",
     "module_backward_hook_dicts",
@@ -120,9 +122,7 @@ class _SilentAtCapture:
         self.hook, self.node, self.threads = hook, node, threads
 
     def __call__(self, grad: torch.Tensor) -> Any:
-        if threading.get_ident() in self.threads or isinstance(
-            threading.current_thread(), threading._DummyThread
-        ):
+        if threading.get_ident() in self.threads or on_device_thread():
             try:
                 torch._C._will_engine_execute_node(self.node)  # type: ignore[arg-type]
             except RuntimeError:  # the engine's answer for a leaf autograd.grad captures
