@@ -30,7 +30,7 @@ from torch import nn
 
 import gradsafe
 from gradsafe.pipelining._hazards import one_rank_world
-from gradsafe.pipelining._inference import InferenceSnapshot
+from gradsafe.pipelining.schedule._inference import InferenceSnapshot
 
 _MICROBATCHES = 4
 

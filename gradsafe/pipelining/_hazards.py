@@ -1,4 +1,4 @@
-"""H1's and H6's reproductions (H7's in ``_scaling_hazards``), written once: the doctor's rows, the tests and the benchmarks use them.
+"""H1's and H6's reproductions (H7's in ``schedule/_hazards.py``), written once: the doctor's rows, the tests and the benchmarks use them.
 
 Each H1 reproduction looks the split functions up in
 ``torch.distributed.pipelining._backward`` at call time, so the same code
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from gradsafe.checks import Check, Outcome, patched_check
-from gradsafe.pipelining._one_rank import one_rank_world
-from gradsafe.pipelining._scaling_hazards import shared_weight_scaled_once
 from gradsafe.pipelining._torch import split_backward_module
+from gradsafe.pipelining.schedule._hazards import shared_weight_scaled_once
+from gradsafe.pipelining.schedule._one_rank import one_rank_world
 
 __all__ = [
     "CHECKS",

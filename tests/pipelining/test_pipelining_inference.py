@@ -15,7 +15,8 @@ from torch import nn
 from torch.distributed.pipelining import stage as stage_module
 
 import gradsafe
-from gradsafe.pipelining import MetadataInferenceError, _hazards, _inference
+from gradsafe.pipelining import MetadataInferenceError, _hazards
+from gradsafe.pipelining.schedule import _inference
 
 pytestmark = pytest.mark.distributed
 
