@@ -1,5 +1,10 @@
 """Megatron-core's gradient delivery without Megatron, for testing weight-gradient kernels.
 
+Public as :class:`gradsafe.testing.MegatronStyleDDP`; it lives here, below
+both, because the wgrad capability's H4 reproduction runs under it too (and
+:func:`gradsafe.wgrad.megatron.module_of` gives it a model over bare
+parameters).
+
 :class:`MegatronStyleDDP` gives a module's parameters what Megatron-core's
 ``DistributedDataParallel`` (0.19.2, read and run side by side in
 ``tests/wgrad/test_megatron_real.py``) gives them, minus the communication:
@@ -36,13 +41,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from gradsafe.wgrad.megatron import GradReadyRegistry, register_megatron_hook
-
-__all__ = ["HookCall", "MegatronStyleDDP", "module_of"]
+__all__ = ["HookCall", "MegatronStyleDDP"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,37 +65,6 @@ def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
     if node is None:
         raise ValueError("MegatronStyleDDP: every parameter must be a leaf that requires grad")
     return node
-
-
-class _Holder(torch.nn.Module):
-    """One parameter; offers Megatron's delayed-hook method when a store computes it."""
-
-    def __init__(self, param: torch.nn.Parameter, store: GradReadyRegistry | None) -> None:
-        super().__init__()
-        self.param = param
-        self._store = store
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
-        if self._store is None:
-            raise RuntimeError(
-                "module_of(params): a parameter is marked delayed (skip_backward_post_hook) but no "
-                "store was given to deliver its hook: pass store="
-            )
-        register_megatron_hook(self._store, self.param, hook)
-
-
-def module_of(
-    params: Iterable[torch.nn.Parameter], store: GradReadyRegistry | None = None
-) -> torch.nn.Module:
-    """A module holding ``params``, each in a child that routes Megatron's delayed hook to ``store``.
-
-    For tests written over bare parameters: ``MegatronStyleDDP(module_of(params,
-    store), delay_wgrad_compute=True)`` hooks the delayed ones (marked with
-    :func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`) through ``store``, as
-    Megatron-core does for a module that offers
-    ``register_wgrad_accumulation_and_reduce_hooks``.
-    """
-    return torch.nn.ModuleList(_Holder(p, store) for p in params)
 
 
 class MegatronStyleDDP:
