@@ -448,7 +448,7 @@ def _flatten_actions(actions: Iterable[Any]) -> Iterable[tuple[int, str, int]]:
         if action is None:
             continue
         if isinstance(action, str):
-            from gradsafe.pipelining._torch import schedule_action
+            from gradsafe.cuda_graphs._structure import schedule_action
 
             action = schedule_action(action)
             if action is None:
