@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining.schedule._hazards import (
+from gradsafe.pipelining.schedule._one_rank import one_rank_world
+from gradsafe.pipelining.schedule._scaling_hazards import (
     shared_weight_scaled_once,
     tied_stages_reference,
     tied_stages_scaled,
     tied_stages_step,
 )
-from gradsafe.pipelining.schedule._one_rank import one_rank_world
 
 MULTI_STAGE = (
     "ScheduleZBVZeroBubble",
@@ -63,7 +63,7 @@ def test_a_real_step_with_tied_stages_equals_the_fused_backward(schedule: str) -
 def test_a_schedule_built_before_the_patch_is_covered_from_its_next_step() -> None:
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    from gradsafe.pipelining.schedule import _hazards as h
+    from gradsafe.pipelining.schedule import _scaling_hazards as h
 
     reference = tied_stages_reference()
     model = h._stages()

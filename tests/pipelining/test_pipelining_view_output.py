@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining import _hazards
+from gradsafe.pipelining.schedule import _inference_hazards as _hazards
 from gradsafe.pipelining.schedule import _stage
 
 _MICROBATCHES = 4

@@ -10,6 +10,7 @@ re-exports (:class:`~gradsafe.pipelining.MetadataInferenceError`).
 * ``_stage.py``: the stage call sites gradsafe's W needs changed (a DDP
   stage's inference forward under ``no_sync``; a last stage's view outputs
   kept detached for the merge).
-* ``_hazards.py``: the doctor's reproductions of H6 and H7, on a real
-  schedule; ``_one_rank.py``: the one-rank gloo group they run on.
+* ``_inference_hazards.py``, ``_scaling_hazards.py``: the doctor's
+  reproductions of H6 and H7 (their rows are in ``pipelining/_hazards.py``'s
+  ``CHECKS``); ``_one_rank.py``: the one-rank gloo group they run on.
 """
