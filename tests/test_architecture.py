@@ -22,8 +22,12 @@ saying why.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 import gradsafe
 
@@ -488,3 +492,21 @@ def test_the_internals_scan_sees_imports_attribute_paths_and_object_attributes(
         "torch._C",
         "._forward_hooks",
     }
+
+
+# -- renamed modules keep their old name one minor release -------------------------------
+
+
+def test_the_old_megatron_test_double_module_warns_and_gives_the_same_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gradsafe.testing
+
+    monkeypatch.delitem(sys.modules, "gradsafe.testing.megatron", raising=False)
+    with pytest.warns(DeprecationWarning, match="import HookCall, MegatronStyleDDP and module_of"):
+        old = importlib.import_module("gradsafe.testing.megatron")
+    assert (old.HookCall, old.MegatronStyleDDP, old.module_of) == (
+        gradsafe.testing.HookCall,
+        gradsafe.testing.MegatronStyleDDP,
+        gradsafe.testing.module_of,
+    )
