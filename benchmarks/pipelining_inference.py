@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining._hazards import one_rank_world
-from gradsafe.pipelining._inference import InferenceSnapshot
+from gradsafe.pipelining.schedule._inference import InferenceSnapshot
+from gradsafe.pipelining.schedule._one_rank import one_rank_world
 
 _MICROBATCHES = 4
 

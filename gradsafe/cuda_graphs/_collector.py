@@ -17,7 +17,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-from gradsafe.pipelining._gc import collector_paused
+from gradsafe._shared.gc_pause import collector_paused
 
 __all__ = ["no_collection_during_capture"]
 

@@ -10,7 +10,9 @@ forward when the training flag changed). gradsafe swaps the ``Graphed`` cell of
 nothing else of upstream's callable changes.
 
 How torch flattens a callable's arguments and outputs (``torch.utils._pytree``)
-and which module hooks it refuses are read here too, for the split stages.
+and which module hooks it refuses are read here too, for the split stages, and
+a pipeline schedule's action from its string form (the schedules' ``_Action``),
+for :meth:`~gradsafe.cuda_graphs.CaptureOrder.from_actions`.
 
 If the installed torch builds its callables differently, :func:`find_graphed_site`
 raises :class:`UnsupportedTorchError` naming the torch version, so gradsafe never
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+from typing import Any
 
 import torch
 from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_leaves, tree_unflatten
@@ -36,6 +39,7 @@ __all__ = [
     "find_graphed_site",
     "graphed_inputs",
     "has_module_hooks",
+    "schedule_action",
     "tree_flatten",
     "tree_leaves",
     "tree_unflatten",
@@ -235,3 +239,10 @@ def find_graphed_site(returned: object, num_inputs: int) -> GraphedSite:
     if any(g is not None and not isinstance(g, torch.Tensor) for g in returned_grads[leading:]):
         raise _unsupported(f"{_CLASS_NAME}.backward returns a non-tensor gradient for an input")
     return GraphedSite(cell, graphed_cls, leading, _static_inputs(graphed_cls, num_inputs))
+
+
+def schedule_action(text: str) -> Any:
+    """torch's pipeline-schedule action for its string form (e.g. ``"0F1"``), None for an empty one."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(text)

@@ -448,7 +448,7 @@ def _flatten_actions(actions: Iterable[Any]) -> Iterable[tuple[int, str, int]]:
         if action is None:
             continue
         if isinstance(action, str):
-            from gradsafe.pipelining._torch import schedule_action
+            from gradsafe.cuda_graphs._structure import schedule_action
 
             action = schedule_action(action)
             if action is None:
@@ -489,87 +489,107 @@ def _parse_te_value(position: int, value: float) -> tuple[EntryKind, int]:
 
 
 def _validate(order: CaptureOrder) -> None:
-    # Over 60 lines on purpose: one pass over the entries with one branch per
-    # entry kind, each naming the rule it breaks; the branches share the
-    # positions recorded so far.
-    forward_at: dict[tuple[int, int], int] = {}
-    dgrad_at: dict[tuple[int, int], int] = {}
-    wgrad_at: dict[tuple[int, int], int] = {}
-    # Strict rule: per delayed chunk, the dgrad whose wgrad has not been captured yet.
-    open_dgrad: dict[int, tuple[int, int]] = {}
+    positions = _Positions(order)
     for position, e in enumerate(order.entries):
-        key = (e.chunk, e.microbatch)
         if e.kind is EntryKind.FORWARD:
-            if key in forward_at:
-                raise CaptureOrderError(
-                    Rule.ONE_PER_MICROBATCH,
-                    position,
-                    f"{e} repeats the forward at position {forward_at[key]}",
-                )
-            forward_at[key] = position
+            positions.forward(position, e)
         elif e.kind is EntryKind.DGRAD:
-            if key in dgrad_at:
-                raise CaptureOrderError(
-                    Rule.ONE_PER_MICROBATCH,
-                    position,
-                    f"{e} repeats the dgrad at position {dgrad_at[key]}",
-                )
-            if key not in forward_at:
-                raise CaptureOrderError(
-                    Rule.FORWARD_BEFORE_DGRAD,
-                    position,
-                    f"{e} comes before the forward of chunk {e.chunk} microbatch {e.microbatch}",
-                )
-            if order.strict and e.chunk in open_dgrad:
-                earlier, microbatch = open_dgrad[e.chunk]
-                raise CaptureOrderError(
-                    Rule.WGRAD_BEFORE_NEXT_DGRAD,
-                    position,
-                    f"{e} comes before the wgrad of chunk {e.chunk} microbatch {microbatch} "
-                    f"(dgrad at position {earlier}); a strict order captures each wgrad before its "
-                    "chunk's next dgrad",
-                )
-            dgrad_at[key] = position
-            if e.chunk in order.delayed_wgrad_chunks:
-                open_dgrad[e.chunk] = (position, e.microbatch)
+            positions.dgrad(position, e)
         else:
-            if e.chunk not in order.delayed_wgrad_chunks:
-                raise CaptureOrderError(
-                    Rule.WGRAD_ONLY_FOR_DELAYED_CHUNKS,
-                    position,
-                    f"{e}: chunk {e.chunk} has no delayed-wgrad module (its dgrad graph computes the "
-                    "weight gradients); remove the entry or declare the chunk in delayed_wgrad_chunks",
-                )
-            if key in wgrad_at:
-                raise CaptureOrderError(
-                    Rule.ONE_WGRAD_PER_DGRAD,
-                    position,
-                    f"{e} repeats the wgrad at position {wgrad_at[key]}",
-                )
-            if key not in dgrad_at:
-                raise CaptureOrderError(
-                    Rule.WGRAD_AFTER_DGRAD,
-                    position,
-                    f"{e} comes before the dgrad of chunk {e.chunk} microbatch {e.microbatch}, "
-                    "which records what the wgrad needs",
-                )
-            wgrad_at[key] = position
-            if open_dgrad.get(e.chunk, (None, None))[1] == e.microbatch:
-                del open_dgrad[e.chunk]
-    for key, position in sorted(forward_at.items(), key=lambda kv: kv[1]):
-        if key not in dgrad_at:
+            positions.wgrad(position, e)
+    positions.check_complete()
+
+
+class _Positions:
+    """One pass of :func:`_validate` over the entries: where each was seen so far, and the rule each breaks."""
+
+    def __init__(self, order: CaptureOrder) -> None:
+        self.order = order
+        self.forward_at: dict[tuple[int, int], int] = {}
+        self.dgrad_at: dict[tuple[int, int], int] = {}
+        self.wgrad_at: dict[tuple[int, int], int] = {}
+        # Strict rule: per delayed chunk, the dgrad whose wgrad has not been captured yet.
+        self.open_dgrad: dict[int, tuple[int, int]] = {}
+
+    def forward(self, position: int, e: CaptureEntry) -> None:
+        key = (e.chunk, e.microbatch)
+        if key in self.forward_at:
             raise CaptureOrderError(
                 Rule.ONE_PER_MICROBATCH,
                 position,
-                f"{order.entries[position]} has no dgrad of chunk {key[0]} microbatch {key[1]}",
+                f"{e} repeats the forward at position {self.forward_at[key]}",
             )
-    for key, position in sorted(dgrad_at.items(), key=lambda kv: kv[1]):
-        if key[0] in order.delayed_wgrad_chunks and key not in wgrad_at:
+        self.forward_at[key] = position
+
+    def dgrad(self, position: int, e: CaptureEntry) -> None:
+        key = (e.chunk, e.microbatch)
+        if key in self.dgrad_at:
+            raise CaptureOrderError(
+                Rule.ONE_PER_MICROBATCH,
+                position,
+                f"{e} repeats the dgrad at position {self.dgrad_at[key]}",
+            )
+        if key not in self.forward_at:
+            raise CaptureOrderError(
+                Rule.FORWARD_BEFORE_DGRAD,
+                position,
+                f"{e} comes before the forward of chunk {e.chunk} microbatch {e.microbatch}",
+            )
+        if self.order.strict and e.chunk in self.open_dgrad:
+            earlier, microbatch = self.open_dgrad[e.chunk]
+            raise CaptureOrderError(
+                Rule.WGRAD_BEFORE_NEXT_DGRAD,
+                position,
+                f"{e} comes before the wgrad of chunk {e.chunk} microbatch {microbatch} "
+                f"(dgrad at position {earlier}); a strict order captures each wgrad before its "
+                "chunk's next dgrad",
+            )
+        self.dgrad_at[key] = position
+        if e.chunk in self.order.delayed_wgrad_chunks:
+            self.open_dgrad[e.chunk] = (position, e.microbatch)
+
+    def wgrad(self, position: int, e: CaptureEntry) -> None:
+        key = (e.chunk, e.microbatch)
+        if e.chunk not in self.order.delayed_wgrad_chunks:
+            raise CaptureOrderError(
+                Rule.WGRAD_ONLY_FOR_DELAYED_CHUNKS,
+                position,
+                f"{e}: chunk {e.chunk} has no delayed-wgrad module (its dgrad graph computes the "
+                "weight gradients); remove the entry or declare the chunk in delayed_wgrad_chunks",
+            )
+        if key in self.wgrad_at:
             raise CaptureOrderError(
                 Rule.ONE_WGRAD_PER_DGRAD,
                 position,
-                f"{order.entries[position]} has no wgrad, but chunk {key[0]} delays its wgrad",
+                f"{e} repeats the wgrad at position {self.wgrad_at[key]}",
             )
+        if key not in self.dgrad_at:
+            raise CaptureOrderError(
+                Rule.WGRAD_AFTER_DGRAD,
+                position,
+                f"{e} comes before the dgrad of chunk {e.chunk} microbatch {e.microbatch}, "
+                "which records what the wgrad needs",
+            )
+        self.wgrad_at[key] = position
+        if self.open_dgrad.get(e.chunk, (None, None))[1] == e.microbatch:
+            del self.open_dgrad[e.chunk]
+
+    def check_complete(self) -> None:
+        """Every forward has its dgrad, every dgrad of a delayed chunk its wgrad."""
+        for key, position in sorted(self.forward_at.items(), key=lambda kv: kv[1]):
+            if key not in self.dgrad_at:
+                raise CaptureOrderError(
+                    Rule.ONE_PER_MICROBATCH,
+                    position,
+                    f"{self.order.entries[position]} has no dgrad of chunk {key[0]} microbatch {key[1]}",
+                )
+        for key, position in sorted(self.dgrad_at.items(), key=lambda kv: kv[1]):
+            if key[0] in self.order.delayed_wgrad_chunks and key not in self.wgrad_at:
+                raise CaptureOrderError(
+                    Rule.ONE_WGRAD_PER_DGRAD,
+                    position,
+                    f"{self.order.entries[position]} has no wgrad, but chunk {key[0]} delays its wgrad",
+                )
 
 
 def _check_te_expressible(order: CaptureOrder) -> None:

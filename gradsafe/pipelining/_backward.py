@@ -22,7 +22,7 @@ from typing import Any, TypedDict
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from gradsafe.pipelining._gc import collector_paused
+from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
 from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, detach_output
 from gradsafe.pipelining._refusals import (

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._gc import collector_paused
+from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._torch import leaf_variable
 
 __all__ = ["Intermediate", "StageGraph", "WeightEdge", "analyze"]

@@ -12,7 +12,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._gc import collector_paused
+from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
     engine_error,

@@ -13,14 +13,14 @@ of silently receiving gradsafe's functions with other arguments.
 
 Where ``PipelineStage`` infers output metadata with a forward of its module
 (torch 2.13+), that method is wrapped to run a DDP module's forward under
-``no_sync``: see :func:`gradsafe.pipelining._stage.inference_without_ddp_prepare`.
+``no_sync``: see :func:`gradsafe.pipelining.schedule._stage.inference_without_ddp_prepare`.
 
 A last stage's view outputs are kept for ``step()``'s merge detached, so that
 they do not keep the microbatch's graph until the next step (gradsafe's W frees
-no saved tensor): see :func:`gradsafe.pipelining._stage.merge_without_view_graphs`.
+no saved tensor): see :func:`gradsafe.pipelining.schedule._stage.merge_without_view_graphs`.
 
 Stage metadata inference is made free of side effects (hazard H6, see
-:mod:`gradsafe.pipelining._inference`) wherever the installed torch has it,
+:mod:`gradsafe.pipelining.schedule._inference`) wherever the installed torch has it,
 found by the methods it defines (:func:`_inference_targets`): a schedule-wide
 inference (``_PipelineSchedule._initialize_pp_stages``) with per-stage forward
 and backward inference and inputs made from metadata (2.13+), or a per-stage
@@ -28,7 +28,7 @@ forward-only ``_shape_inference`` (2.11).
 
 The end-of-step gradient scaling divides a parameter several stages of one
 rank share once, after the last of them (hazard H7, see
-:mod:`gradsafe.pipelining._scaling`): a multi-stage schedule registers what
+:mod:`gradsafe.pipelining.schedule._scaling`): a multi-stage schedule registers what
 its stages share when built and as each ``step`` starts, and each stage's
 ``scale_grads`` asks.
 """
@@ -41,7 +41,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsafe.patching import AttrTarget, Skip, Target
-from gradsafe.pipelining import _backward, _inference, _scaling, _stage, _torch
+from gradsafe.pipelining import _backward, _torch
+from gradsafe.pipelining.schedule import _inference, _scaling, _stage
 
 __all__ = ["plan"]
 

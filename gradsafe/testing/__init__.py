@@ -15,6 +15,7 @@
   (and its peak), on any device, so memory conditions can be tests.
 """
 
+from gradsafe._shared.megatron_ddp import HookCall, MegatronStyleDDP
 from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.testing._cuda_emulation import (
     EmulatedCUDAGraph,
@@ -23,7 +24,7 @@ from gradsafe.testing._cuda_emulation import (
     emulate_cuda_graphs,
 )
 from gradsafe.testing._split_exact import assert_split_exact
-from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
+from gradsafe.wgrad.megatron import module_of
 
 __all__ = [
     "EmulatedCUDAGraph",

@@ -27,11 +27,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from gradsafe._shared.megatron_ddp import HookCall, MegatronStyleDDP
 from gradsafe.checks import Check, Outcome
-from gradsafe.testing.megatron import HookCall, MegatronStyleDDP, module_of
 from gradsafe.wgrad._policy import wgrad_return
 from gradsafe.wgrad._store import GradReadyHook, WeightGradClosure, WeightGradStore
 from gradsafe.wgrad.markers import mark_delayed_wgrad
+from gradsafe.wgrad.megatron import module_of
 
 __all__ = ["CHECKS"]
 

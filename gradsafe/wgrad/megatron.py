@@ -40,7 +40,7 @@ as DDP's AccumulateGrad hook would for an undelayed parameter.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
-__all__ = ["GradReadyRegistry", "Removable", "register_megatron_hook"]
+__all__ = ["GradReadyRegistry", "Removable", "module_of", "register_megatron_hook"]
 
 
 class Removable(Protocol):
@@ -141,3 +141,37 @@ def register_megatron_hook(
     )
     _handles[param] = handle
     return handle
+
+
+class _Holder(torch.nn.Module):
+    """One parameter; offers Megatron's delayed-hook method when a store computes it."""
+
+    def __init__(self, param: torch.nn.Parameter, store: GradReadyRegistry | None) -> None:
+        super().__init__()
+        self.param = param
+        self._store = store
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
+        if self._store is None:
+            raise RuntimeError(
+                "module_of(params): a parameter is marked delayed (skip_backward_post_hook) but no "
+                "store was given to deliver its hook: pass store="
+            )
+        register_megatron_hook(self._store, self.param, hook)
+
+
+def module_of(
+    params: Iterable[torch.nn.Parameter], store: GradReadyRegistry | None = None
+) -> torch.nn.Module:
+    """A module holding ``params``, each in a child that routes Megatron's delayed hook to ``store``.
+
+    The wiring above (one delayed parameter per module, whose
+    ``register_wgrad_accumulation_and_reduce_hooks`` calls
+    :func:`register_megatron_hook`), for tests written over bare parameters
+    (also :func:`gradsafe.testing.module_of`): ``MegatronStyleDDP(module_of(params,
+    store), delay_wgrad_compute=True)`` hooks the delayed ones (marked with
+    :func:`~gradsafe.wgrad.markers.mark_delayed_wgrad`) through ``store``, as
+    Megatron-core does for a module that offers
+    ``register_wgrad_accumulation_and_reduce_hooks``.
+    """
+    return torch.nn.ModuleList(_Holder(p, store) for p in params)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining import _hazards, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.pipelining.schedule import _inference_hazards as _hazards
 
 
 def _rms_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

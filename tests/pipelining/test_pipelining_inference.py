@@ -2,7 +2,7 @@
 
 Two stages on one gloo rank, 4 microbatches, a loss that backwards inside
 itself (torchtitan's chunked loss), against gradient accumulation in one
-process (gradsafe.pipelining._hazards has the model).
+process (gradsafe.pipelining.schedule._inference_hazards has the model).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from torch import nn
 from torch.distributed.pipelining import stage as stage_module
 
 import gradsafe
-from gradsafe.pipelining import MetadataInferenceError, _hazards, _inference
+from gradsafe.pipelining import MetadataInferenceError
+from gradsafe.pipelining.schedule import _inference
+from gradsafe.pipelining.schedule import _inference_hazards as _hazards
 
 pytestmark = pytest.mark.distributed
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining._one_rank import one_rank_world
-from gradsafe.pipelining._scaling_hazards import (
+from gradsafe.pipelining.schedule._one_rank import one_rank_world
+from gradsafe.pipelining.schedule._scaling_hazards import (
     shared_weight_scaled_once,
     tied_stages_reference,
     tied_stages_scaled,
@@ -63,7 +63,7 @@ def test_a_real_step_with_tied_stages_equals_the_fused_backward(schedule: str) -
 def test_a_schedule_built_before_the_patch_is_covered_from_its_next_step() -> None:
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    from gradsafe.pipelining import _scaling_hazards as h
+    from gradsafe.pipelining.schedule import _scaling_hazards as h
 
     reference = tied_stages_reference()
     model = h._stages()
@@ -113,7 +113,7 @@ def test_unpatch_restores_torchs_scaling() -> None:
 def test_a_stage_never_registered_is_divided_as_torch_does_after_the_registered_ones_died() -> None:
     import gc
 
-    from gradsafe.pipelining._scaling import SharedParameters
+    from gradsafe.pipelining.schedule._scaling import SharedParameters
 
     class Stage:
         def __init__(self, submod: nn.Module) -> None:
@@ -134,7 +134,7 @@ def test_a_stage_reused_where_its_weight_is_no_longer_shared_divides_it_when_it_
     # over [first, untied] (the old stages still alive) must not leave `first`
     # waiting for `tied`, which it never runs: the table would not be divided
     # (n_microbatches x too large; 0.702 max abs error in a real step, 4 microbatches).
-    from gradsafe.pipelining._scaling import SharedParameters
+    from gradsafe.pipelining.schedule._scaling import SharedParameters
 
     class Stage:
         def __init__(self, submod: nn.Module) -> None:

@@ -49,7 +49,7 @@ def _ddp_left_prepared() -> bool:
 
     It leaves DDP's reducer prepared: the first W that fires hooks (gradsafe's
     does, as a fused backward would) all-reduces a partial gradient and the next
-    step fails in DDP ("rebuilt parameter indices"). gradsafe.pipelining._stage
+    step fails in DDP ("rebuilt parameter indices"). gradsafe.pipelining.schedule._stage
     has the fix; the patch installs it on PipelineStage._forward_metadata_inference.
     """
     inference = getattr(stage_module.PipelineStage, "_forward_metadata_inference", None)

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import gradsafe
-from gradsafe.pipelining import _hazards, _stage
+from gradsafe.pipelining.schedule import _inference_hazards as _hazards
+from gradsafe.pipelining.schedule import _stage
 
 _MICROBATCHES = 4
 

@@ -1,7 +1,7 @@
 """torch state outside autograd: RNG, FSDP2's parameters, storages, modules' tensors, device probes.
 
 Private torch read here: FSDP2's per-module state (``FSDPParam``),
-``torch.distributed.pipelining._backward`` and the schedules' ``_Action``,
+``torch.distributed.pipelining._backward``,
 ``UntypedStorage._cdata`` and a sparse tensor's ``_indices``/``_values``,
 ``nn.Module._apply``, and ``torch._utils``' device probes.
 """
@@ -28,7 +28,6 @@ __all__ = [
     "fsdp_counterparts",
     "live_nbytes",
     "rng_states",
-    "schedule_action",
     "set_rng_states",
     "split_backward_module",
     "storage_key",
@@ -87,13 +86,6 @@ def fsdp_counterparts() -> dict[int, torch.Tensor]:
 def split_backward_module() -> types.ModuleType:
     """``torch.distributed.pipelining._backward`` as it is now: torch's split functions, or gradsafe's when patched."""
     return importlib.import_module("torch.distributed.pipelining._backward")
-
-
-def schedule_action(text: str) -> Any:
-    """torch's pipeline-schedule action for its string form (e.g. ``"0F1"``), None for an empty one."""
-    from torch.distributed.pipelining.schedules import _Action
-
-    return _Action.from_str(text)
 
 
 def storages_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, ...]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gradsafe.checks import Outcome
-from gradsafe.pipelining._one_rank import one_rank_world
+from gradsafe.pipelining.schedule._one_rank import one_rank_world
 
 __all__ = ["TiedStages", "tied_stages_reference", "tied_stages_scaled", "tied_stages_step"]
 
@@ -96,7 +96,7 @@ def tied_stages_scaled() -> dict[str, torch.Tensor]:
     not stepped, so this runs on every supported torch: the backwards run
     here, then each stage's ``perform_reduce_grad``, the last stage's first
     (its last backward comes first), as a multi-stage step ends. Needs a process group
-    (:func:`~gradsafe.pipelining._one_rank.one_rank_world`).
+    (:func:`~gradsafe.pipelining.schedule._one_rank.one_rank_world`).
     """
     from torch.distributed.pipelining import PipelineStage, schedules
 
