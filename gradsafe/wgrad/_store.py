@@ -233,14 +233,33 @@ class PendingWeightGrads:
         # An unfused use puts its gradient into .grad. Under a Megatron-style
         # wrapper (main_grad and the flag) only a grad-ready hook moves it into
         # main_grad; without one it would silently miss the step.
+        managed = [u.param for u in self._uses if _megatron_managed(u.param)]
+        hooked = [p for p in managed if self._hooks.get(p)]
         for use in self._uses:
             param = use.param
-            if (
-                not use.accumulate_into_main_grad
-                and not self._hooks.get(param)
-                and hasattr(param, "main_grad")
-                and hasattr(param, "grad_added_to_main_grad")
-            ):
+            if not _megatron_managed(param) or self._hooks.get(param):
+                continue
+            if hooked:
+                # Checked before anything is applied: W would otherwise fire the
+                # hooked parameter's hook (DDP's for this one) after writing its main_grad.
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: the delayed parameter of shape {tuple(param.shape)} "
+                    "has main_grad and grad_added_to_main_grad (a Megatron-style data-parallel "
+                    "wrapper owns its gradient) but no grad-ready hook in this store, while "
+                    f"the delayed parameter of shape {tuple(hooked[0].shape)} in the same pass has "
+                    "one. The usual cause: one module offering "
+                    "register_wgrad_accumulation_and_reduce_hooks holds both (a delayed bias next "
+                    "to its weight); Megatron-core's DDP calls that method once per delayed "
+                    "parameter without saying which, so the module registered this parameter's "
+                    "hook for the other one, and this one's W gradient would never be reduced. "
+                    "Give each delayed parameter its own module offering the method, or do not "
+                    "delay it (gradsafe.wgrad.guard_ddp_step refuses such a module when DDP is "
+                    "built). Otherwise the module holding this parameter offers no "
+                    "register_wgrad_accumulation_and_reduce_hooks, or the parameter's hook is in "
+                    "another WeightGradStore (a weight tied across modules needs one store for "
+                    "all its delayed uses). Nothing was applied; this pass stays unrun."
+                )
+            if not use.accumulate_into_main_grad:
                 raise RuntimeError(
                     f"PendingWeightGrads.run: a delayed parameter of shape {tuple(param.shape)} has "
                     "main_grad and grad_added_to_main_grad (a Megatron-style data-parallel wrapper "
@@ -329,6 +348,11 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 "a fused WeightGradClosure returned a tensor; when called with main_grad it must add "
                 "its gradient into main_grad and return None"
             )
+
+
+def _megatron_managed(param: torch.Tensor) -> bool:
+    """Whether a Megatron-style wrapper owns ``param``'s gradient (it gave it ``main_grad`` and the flag)."""
+    return hasattr(param, "main_grad") and hasattr(param, "grad_added_to_main_grad")
 
 
 def _memory(t: torch.Tensor) -> int:

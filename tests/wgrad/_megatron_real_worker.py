@@ -256,10 +256,7 @@ def _case(
                 rank,
                 dtype,
             )
-            # Megatron's reduction: scale by 1/world in the grad dtype, then sum.
-            for p in emu.params:
-                p.main_grad.mul_(1.0 / world)
-                dist.all_reduce(p.main_grad)
+            emu.finish_grad_sync()  # Megatron's reduction: scale by 1/world, then sum
 
         found["outcome"].append((_outcome(real_step), _outcome(emu_step)))
         if found["outcome"][-1] != ("ok", "ok"):
@@ -389,9 +386,7 @@ def _tied_case(
         def emu_step() -> None:
             emu.zero_grad_buffer()
             one_step(nets[1], stores[1], contextlib.nullcontext)
-            for p in emu.params:
-                p.main_grad.mul_(1.0 / world)
-                dist.all_reduce(p.main_grad)
+            emu.finish_grad_sync()
 
         found["outcome"].append((_outcome(real_step), _outcome(emu_step)))
         if found["outcome"][-1] != ("ok", "ok"):
