@@ -2,7 +2,8 @@
 
 :class:`MegatronStyleDDP` gives a module's parameters what Megatron-core's
 ``DistributedDataParallel`` (0.19.2, read and run side by side in
-``tests/wgrad/test_megatron_real.py``) gives them, minus the communication:
+``tests/wgrad/test_megatron_real.py``) gives them, with a plain all-reduce
+for its bucketed communication:
 
 * ``param.main_grad``: fp32 with ``grad_reduce_in_fp32``, else the
   parameter's dtype; ``grad_added_to_main_grad = False`` on every parameter;
@@ -112,7 +113,7 @@ def module_of(
 
 
 class MegatronStyleDDP:
-    """Megatron-core's ``main_grad`` buffers and gradient hooks over ``module`` (no communication).
+    """Megatron-core's ``main_grad`` buffers and gradient hooks over ``module`` (its reduction a plain all-reduce).
 
     Args:
         module: the model; every parameter that requires grad is managed.
