@@ -575,31 +575,72 @@ def _lifecycle_case(
     return found
 
 
+class _DelayedAffine(torch.autograd.Function):
+    """``x @ w.T + b``, both gradients delayed (fused into main_grad or not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: Any, b: Any, store: Any, fused: bool) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w, ctx.b, ctx.store, ctx.fused = w, b, store, fused
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        for param, wgrad in ((ctx.w, g.t() @ x), (ctx.b, g.sum(0))):
+
+            def compute(main_grad: Any, wgrad: torch.Tensor = wgrad) -> Any:
+                if main_grad is None:
+                    return wgrad
+                main_grad.add_(wgrad)
+                return None
+
+            ctx.store.record(param, compute, accumulate_into_main_grad=ctx.fused)
+        return g @ ctx.w, None, None, None, None
+
+
 class _TwoDelayed(torch.nn.Module):
     """docs/wgrad.md's module recipe over a weight and a delayed bias (both marked): one module, two delayed parameters."""
 
-    def __init__(self, fused_linear: Any, store: Any) -> None:
+    def __init__(self, store: Any, fused: bool) -> None:
         super().__init__()
         from gradsafe.wgrad import mark_delayed_wgrad
 
-        self.lin = fused_linear.FusedLinear(WIDTH, WIDTH, wgrad_store=store)
-        self.bias = torch.nn.Parameter(torch.zeros(WIDTH))
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        self.bias = torch.nn.Parameter(torch.randn(WIDTH))
+        mark_delayed_wgrad(self.weight)
         mark_delayed_wgrad(self.bias)
-        self.store = store
+        self.store, self.fused = store, fused
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Any) -> None:
         from gradsafe.wgrad import register_megatron_hook
 
-        register_megatron_hook(self.store, self.lin.weight, hook)
+        register_megatron_hook(self.store, self.weight, hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DelayedAffine.apply(x, self.weight, self.bias, self.store, self.fused)
 
 
-def _two_delayed(fused_linear: Any) -> str:
-    """guard_ddp_step over a real DDP whose module holds two delayed parameters."""
+def _two_delayed() -> dict[str, Any]:
+    """A real DDP whose module holds two delayed parameters: guard_ddp_step refuses it; unguarded, W does, before writing."""
     from gradsafe.wgrad import WeightGradStore, guard_ddp_step
 
-    net = _TwoDelayed(fused_linear, WeightGradStore())
-    ddp = _real_ddp(net, delay_wgrad_compute=True, grad_reduce_in_fp32=True)
-    return _outcome(lambda: guard_ddp_step(ddp))
+    found: dict[str, Any] = {}
+    for overlap, fused in itertools.product((False, True), (False, True)):
+        store = WeightGradStore()
+        net = _TwoDelayed(store, fused)
+        ddp = _real_ddp(
+            net, overlap_grad_reduce=overlap, delay_wgrad_compute=True, grad_reduce_in_fp32=True
+        )
+        guarded = _outcome(lambda ddp=ddp: guard_ddp_step(ddp))
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(3, WIDTH)).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the refused pass, dropped unrun
+            at_w = _outcome(store.seal().run)
+        untouched = all(not p.main_grad.any() and p.grad is None for p in net.parameters())
+        found[f"overlap={overlap} fused={fused}"] = (guarded, at_w, untouched)
+    return found
 
 
 def _schedule_case(
@@ -695,7 +736,7 @@ def _lifecycle(fused_linear: Any, world: int, rank: int) -> dict[str, Any]:
                 items, (True, False), (False, True), (False, True)
             )
         ],
-        "two_delayed": _two_delayed(fused_linear),
+        "two_delayed": _two_delayed(),
         "schedules": [
             (
                 {"schedule": schedule, "overlap": overlap, "fused": fused, "w_where": w_where},

@@ -168,12 +168,22 @@ def test_a_w_after_the_reduction_is_what_the_guard_prevents(ranks) -> None:  # t
                 assert found["error"] > 0.05 and found["ranks_disagree"] > 0.05, (key, found)
 
 
-def test_a_module_with_two_delayed_parameters_is_refused_when_the_real_ddp_is_guarded(
+def test_a_module_with_two_delayed_parameters_is_refused_before_any_main_grad_changes(
     ranks,
 ) -> None:  # type: ignore[no-untyped-def]
+    """Item 5: guard_ddp_step refuses the module; unguarded, the W pass refuses it before writing anything."""
     for result in ranks:
-        refusal = result["lifecycle"]["two_delayed"]
-        assert refusal.startswith("ValueError: guard_ddp_step: module (the model) (_TwoDelayed)")
+        cases = result["lifecycle"]["two_delayed"]
+        assert len(cases) == 4
+        for key, (guarded, at_w, untouched) in cases.items():
+            assert guarded.startswith(
+                "ValueError: guard_ddp_step: module (the model) (_TwoDelayed)"
+            )
+            assert at_w.startswith("RuntimeError: PendingWeightGrads.run: the delayed parameter"), (
+                key,
+                at_w,
+            )
+            assert untouched, key
 
 
 def test_every_w_in_a_finalize_model_grads_func_wrapper_is_exact_in_megatrons_schedules(
