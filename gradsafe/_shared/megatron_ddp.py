@@ -7,7 +7,8 @@ parameters).
 
 :class:`MegatronStyleDDP` gives a module's parameters what Megatron-core's
 ``DistributedDataParallel`` (0.19.2, read and run side by side in
-``tests/wgrad/test_megatron_real.py``) gives them, minus the communication:
+``tests/wgrad/test_megatron_real.py``) gives them, with a plain all-reduce
+for its bucketed communication:
 
 * ``param.main_grad``: fp32 with ``grad_reduce_in_fp32``, else the
   parameter's dtype; ``grad_added_to_main_grad = False`` on every parameter;
@@ -21,10 +22,16 @@ parameters).
   of every module that holds it (none: no hook at all); otherwise a post-hook
   on its AccumulateGrad node (``p.expand_as(p).grad_fn.next_functions[0][0]``);
 * :meth:`~MegatronStyleDDP.zero_grad_buffer` zeroes ``main_grad`` and resets
-  the flag, and leaves ``.grad`` as it is.
+  the flag, and leaves ``.grad`` as it is;
+* the reduction, :meth:`~MegatronStyleDDP.start_grad_sync` and
+  :meth:`~MegatronStyleDDP.finish_grad_sync`: ``main_grad`` scaled by
+  1/world, then summed over the default process group (where one is
+  initialised), as Megatron's all-reduce does; :func:`gradsafe.wgrad.guard_ddp_step`
+  guards these and ``zero_grad_buffer`` as it guards Megatron's.
 
-Where it differs from Megatron: no buckets, no reduction, no ``no_sync`` and
-no grad-ready counting (``overlap_grad_reduce`` only adds the assert); hooks
+Where it differs from Megatron: no buckets, no ``no_sync`` and no grad-ready
+counting (``overlap_grad_reduce`` only adds the assert; the reduction runs
+once per step, at the first of the two calls, never from a hook); hooks
 return at once only inside :meth:`~MegatronStyleDDP.graph_capture` (Megatron's
 own capture flag, which it sets around its CUDA-graph capture); it does not
 wrap ``forward``; ``grad_added_flag=False`` (no flag) is not a Megatron mode.
@@ -44,8 +51,18 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["HookCall", "MegatronStyleDDP"]
+__all__ = ["DDPConfig", "HookCall", "MegatronStyleDDP"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """The switches of Megatron-core's ``DistributedDataParallelConfig`` that :class:`MegatronStyleDDP` follows."""
+
+    overlap_grad_reduce: bool = False
+    grad_reduce_in_fp32: bool = False
+    delay_wgrad_compute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +85,7 @@ def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
 
 
 class MegatronStyleDDP:
-    """Megatron-core's ``main_grad`` buffers and gradient hooks over ``module`` (no communication).
+    """Megatron-core's ``main_grad`` buffers and gradient hooks over ``module`` (its reduction a plain all-reduce).
 
     Args:
         module: the model; every parameter that requires grad is managed.
@@ -94,7 +111,10 @@ class MegatronStyleDDP:
     ) -> None:
         self.module = module
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        # Megatron's attribute name: gradsafe.wgrad.guard_ddp_step reads delay_wgrad_compute there.
+        self.ddp_config = DDPConfig(overlap_grad_reduce, grad_reduce_in_fp32, delay_wgrad_compute)
         self._overlap = overlap_grad_reduce
+        self._reduced = False  # the reduction ran in this step
         self._snapshots = snapshots
         self._capturing = False
         self._calls: dict[int, list[HookCall]] = {id(p): [] for p in self.params}
@@ -163,11 +183,34 @@ class MegatronStyleDDP:
         """Every hook call for ``param`` since the last :meth:`zero_grad_buffer`, oldest first."""
         return tuple(self._calls[id(param)])
 
+    def start_grad_sync(self) -> None:
+        """Megatron's reduction: each ``main_grad`` scaled by 1/world, then summed over the ranks.
+
+        Summed with ``torch.distributed.all_reduce`` over the default process
+        group where one is initialised (without one, world is 1 and nothing
+        changes). Once per step: a second call (``finish_grad_sync`` after
+        this) does nothing until :meth:`zero_grad_buffer`.
+        """
+        if self._reduced:
+            return
+        self._reduced = True
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.get_world_size()
+        for p in self.params:
+            p.main_grad.mul_(1.0 / world)  # type: ignore[attr-defined]
+            dist.all_reduce(p.main_grad)  # type: ignore[attr-defined]
+
+    def finish_grad_sync(self) -> None:
+        """End the step's reduction (:meth:`start_grad_sync`, if it has not run in this step)."""
+        self.start_grad_sync()
+
     def zero_grad_buffer(self) -> None:
         """Start a step as Megatron does: zero ``main_grad``, reset the flag; ``.grad`` is left as it is.
 
         Also forgets the recorded hook calls.
         """
+        self._reduced = False
         for p in self.params:
             p.main_grad.zero_()  # type: ignore[attr-defined]
             if hasattr(p, "grad_added_to_main_grad"):

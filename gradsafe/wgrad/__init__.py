@@ -6,7 +6,9 @@
   gradients: B records, W computes, accumulates and fires grad-ready hooks.
 * :mod:`gradsafe.wgrad.markers` — which parameters a delayed W pass owns.
 * :func:`register_megatron_hook` — Megatron-core DDP's grad-ready hook for a
-  delayed parameter (:mod:`gradsafe.wgrad.megatron`).
+  delayed parameter; :func:`guard_ddp_step` — DDP's reduction and
+  ``zero_grad_buffer()`` refuse while a W pass is outstanding
+  (:mod:`gradsafe.wgrad.megatron`).
 
 No patch: this is a library that kernels call. ``examples/fused_linear.py``
 shows a kernel built on it; :class:`gradsafe.testing.MegatronStyleDDP` tests
@@ -21,15 +23,17 @@ from gradsafe.wgrad._store import (
     WeightGradStore,
 )
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
-from gradsafe.wgrad.megatron import register_megatron_hook
+from gradsafe.wgrad.megatron import DDPStepGuard, guard_ddp_step, register_megatron_hook
 
 __all__ = [
+    "DDPStepGuard",
     "GradReadyHook",
     "PendingWeightGrads",
     "WeightGradClosure",
     "WeightGradStore",
     "dummy_wgrad",
     "grad_lifetime_is_managed",
+    "guard_ddp_step",
     "mark_delayed_wgrad",
     "register_megatron_hook",
     "wgrad_return",

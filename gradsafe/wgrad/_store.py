@@ -19,6 +19,7 @@ AccumulateGrad — Megatron-core's DDP through
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import threading
@@ -37,7 +38,15 @@ from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, wa
 from gradsafe.wgrad._torch import autograd_version
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 
-__all__ = ["GradReadyHook", "PendingWeightGrads", "WeightGradStore", "WeightGradClosure"]
+__all__ = [
+    "GradReadyHook",
+    "OutstandingW",
+    "PendingWeightGrads",
+    "WeightGradClosure",
+    "WeightGradStore",
+    "forget_lost_w",
+    "outstanding_w",
+]
 
 WeightGradClosure: TypeAlias = Callable[[torch.Tensor | None], torch.Tensor | None]
 """One use's weight-gradient computation, run at W time.
@@ -72,6 +81,58 @@ class _Use:
     reads: tuple[_Read, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class _LostPass:
+    """A sealed pass with records that will deliver nothing more: its step's ``main_grad`` lacks it."""
+
+    params: tuple[weakref.ref[torch.Tensor], ...]  # weak: a lost pass must not keep a model alive
+    why: str
+
+    @staticmethod
+    def of(uses: tuple[_Use, ...], why: str) -> _LostPass:
+        params = {id(use.param): use.param for use in uses}
+        return _LostPass(tuple(weakref.ref(p) for p in params.values()), why)
+
+    def touches(self, ids: set[int]) -> bool:
+        return any(id(p) in ids for p in (ref() for ref in self.params) if p is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutstandingW:
+    """Delayed weight gradients some parameters still lack: what a reduction or ``zero_grad_buffer()`` must not pass.
+
+    Computed by :func:`outstanding_w`. False when nothing is outstanding.
+    """
+
+    open_records: int  # weight uses B recorded since its store's last seal()
+    unrun: int  # sealed passes not run yet (or running on another thread)
+    lost: tuple[str, ...]  # passes of this step that will deliver nothing more: why, each
+    shapes: tuple[tuple[int, ...], ...]  # the parameters concerned, each once
+
+    def __bool__(self) -> bool:
+        return bool(self.open_records or self.unrun or self.lost)
+
+    def describe(self) -> str:
+        """One clause per kind of outstanding work, with what makes it deliver."""
+        parts = []
+        if self.unrun:
+            parts.append(f"{self.unrun} sealed W pass(es) not run yet")
+        if self.open_records:
+            parts.append(
+                f"{self.open_records} weight use(s) recorded by B since the last store.seal() "
+                "(seal them and run the pass)"
+            )
+        if self.lost:
+            counts = collections.Counter(self.lost)
+            parts.append(
+                f"{len(self.lost)} W pass(es) of this step that will deliver nothing ("
+                + ", ".join(f"{n} {why}" for why, n in counts.items())
+                + ": redo the step, see docs/wgrad.md)"
+            )
+        shapes = ", ".join(str(shape) for shape in self.shapes)
+        return "; ".join(parts) + f" (parameters of shape {shapes})"
+
+
 class _State(enum.Enum):
     SEALED = "sealed"
     RUNNING = "running"
@@ -86,9 +147,15 @@ class _State(enum.Enum):
 class PendingWeightGrads:
     """One B pass's recorded weight-gradient work; :meth:`run` it exactly once (the W pass)."""
 
-    def __init__(self, uses: tuple[_Use, ...], hooks: WeakIdKeyDictionary) -> None:
+    def __init__(
+        self,
+        uses: tuple[_Use, ...],
+        hooks: WeakIdKeyDictionary,
+        lost: collections.deque[_LostPass],
+    ) -> None:
         self._uses = uses
         self._hooks = hooks
+        self._lost = lost  # the store's: where this pass reports that it will deliver nothing
         self._state = _State.SEALED
         self._claim = threading.Lock()  # run() from two threads: exactly one runs the pass
         # Parameters this pass has yet to deliver (ids: the uses hold the parameters until then).
@@ -98,10 +165,13 @@ class PendingWeightGrads:
         # Dropped without run(): its weight gradients are lost from the step. A
         # finalizer cannot refuse, so it warns (a schedule that skips a W pass).
         if self._state is _State.SEALED and self._uses:
+            # No lock: a finalizer may run on a thread that holds the store's.
+            self._lost.append(_LostPass.of(self._uses, "dropped without run()"))
             warnings.warn(
                 f"a sealed W pass (PendingWeightGrads with {len(self._uses)} recorded weight "
                 "use(s)) was dropped without run(): those weight gradients are missing from the "
-                "step. Run every sealed pass once, after its B pass.",
+                "step (a guarded reduction refuses it: gradsafe.wgrad.guard_ddp_step). Run every "
+                "sealed pass once, after its B pass and before the step's reduction.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -117,6 +187,13 @@ class PendingWeightGrads:
     def _will_deliver(self, param: torch.Tensor) -> bool:
         # A failed pass never runs again: it delivers nothing more.
         return self._state in _UNFINISHED and id(param) in self._undelivered
+
+    def _outstanding_for(self, ids: set[int]) -> tuple[tuple[int, ...], ...] | None:
+        """The shapes of ``ids``' parameters this unfinished pass has yet to deliver; None if none."""
+        if self._state not in _UNFINISHED or self._undelivered.isdisjoint(ids):
+            return None
+        undelivered = self._undelivered & ids
+        return tuple(tuple(u.param.shape) for u in self._uses if id(u.param) in undelivered)
 
     def run(self) -> None:
         """Compute every recorded weight gradient and deliver it, parameter by parameter.
@@ -147,6 +224,7 @@ class PendingWeightGrads:
             self._deliver()
         except BaseException:
             self._state = _State.FAILED
+            self._lost.append(_LostPass.of(self._uses, "failed part-way"))
             raise
         self._uses = ()
         self._state = _State.DONE
@@ -155,14 +233,33 @@ class PendingWeightGrads:
         # An unfused use puts its gradient into .grad. Under a Megatron-style
         # wrapper (main_grad and the flag) only a grad-ready hook moves it into
         # main_grad; without one it would silently miss the step.
+        managed = [u.param for u in self._uses if _megatron_managed(u.param)]
+        hooked = [p for p in managed if self._hooks.get(p)]
         for use in self._uses:
             param = use.param
-            if (
-                not use.accumulate_into_main_grad
-                and not self._hooks.get(param)
-                and hasattr(param, "main_grad")
-                and hasattr(param, "grad_added_to_main_grad")
-            ):
+            if not _megatron_managed(param) or self._hooks.get(param):
+                continue
+            if hooked:
+                # Checked before anything is applied: W would otherwise fire the
+                # hooked parameter's hook (DDP's for this one) after writing its main_grad.
+                raise RuntimeError(
+                    f"PendingWeightGrads.run: the delayed parameter of shape {tuple(param.shape)} "
+                    "has main_grad and grad_added_to_main_grad (a Megatron-style data-parallel "
+                    "wrapper owns its gradient) but no grad-ready hook in this store, while "
+                    f"the delayed parameter of shape {tuple(hooked[0].shape)} in the same pass has "
+                    "one. The usual cause: one module offering "
+                    "register_wgrad_accumulation_and_reduce_hooks holds both (a delayed bias next "
+                    "to its weight); Megatron-core's DDP calls that method once per delayed "
+                    "parameter without saying which, so the module registered this parameter's "
+                    "hook for the other one, and this one's W gradient would never be reduced. "
+                    "Give each delayed parameter its own module offering the method, or do not "
+                    "delay it (gradsafe.wgrad.guard_ddp_step refuses such a module when DDP is "
+                    "built). Otherwise the module holding this parameter offers no "
+                    "register_wgrad_accumulation_and_reduce_hooks, or the parameter's hook is in "
+                    "another WeightGradStore (a weight tied across modules needs one store for "
+                    "all its delayed uses). Nothing was applied; this pass stays unrun."
+                )
+            if not use.accumulate_into_main_grad:
                 raise RuntimeError(
                     f"PendingWeightGrads.run: a delayed parameter of shape {tuple(param.shape)} has "
                     "main_grad and grad_added_to_main_grad (a Megatron-style data-parallel wrapper "
@@ -251,6 +348,11 @@ def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
                 "a fused WeightGradClosure returned a tensor; when called with main_grad it must add "
                 "its gradient into main_grad and return None"
             )
+
+
+def _megatron_managed(param: torch.Tensor) -> bool:
+    """Whether a Megatron-style wrapper owns ``param``'s gradient (it gave it ``main_grad`` and the flag)."""
+    return hasattr(param, "main_grad") and hasattr(param, "grad_added_to_main_grad")
 
 
 def _memory(t: torch.Tensor) -> int:
@@ -369,6 +471,12 @@ class WeightGradStore:
         self._hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Sealed passes not yet finished; one dropped unrun delivers nothing, and leaves.
         self._sealed: weakref.WeakSet[PendingWeightGrads] = weakref.WeakSet()
+        # Passes that will deliver nothing more (dropped unrun, failed) since their
+        # parameters' step began: a reduction must not pass them. Appended without
+        # the lock (by finalizers), so a deque.
+        self._lost: collections.deque[_LostPass] = collections.deque()
+        with _stores_lock:
+            _stores.add(self)
 
     def record(
         self,
@@ -434,7 +542,7 @@ class WeightGradStore:
             if not capturing:
                 self._refuse_records_left_by_a_capture("seal")
             uses, self._open = tuple(self._open), []
-            pending = PendingWeightGrads(uses, self._hooks)
+            pending = PendingWeightGrads(uses, self._hooks, self._lost)
             for finished in [p for p in self._sealed if p._state not in _UNFINISHED]:
                 self._sealed.discard(finished)
             self._sealed.add(pending)
@@ -453,6 +561,31 @@ class WeightGradStore:
             if any(use.param is param for use in self._open):
                 return True
             return any(p._will_deliver(param) for p in self._sealed)
+
+    def _outstanding(self, ids: set[int]) -> tuple[int, int, list[str], list[tuple[int, ...]]]:
+        """Open records, unrun passes, lost passes (why) and shapes concerning the parameters ``ids``."""
+        shapes: list[tuple[int, ...]] = []
+        with self._lock:
+            open_uses = [use for use in self._open if id(use.param) in ids]
+            shapes += [tuple(use.param.shape) for use in open_uses]
+            unrun = 0
+            for pending in list(self._sealed):
+                found = pending._outstanding_for(ids)
+                if found is not None:
+                    unrun += 1
+                    shapes += found
+        lost = [entry for entry in list(self._lost) if entry.touches(ids)]
+        for entry in lost:
+            shapes += [tuple(p.shape) for p in (ref() for ref in entry.params) if p is not None]
+        return len(open_uses), unrun, [entry.why for entry in lost], shapes
+
+    def _forget_lost(self, ids: set[int]) -> None:
+        # Rotate rather than rebuild: a finalizer may append meanwhile (without the lock).
+        for _ in range(len(self._lost)):
+            entry = self._lost.popleft()
+            alive = any(ref() is not None for ref in entry.params)
+            if alive and not entry.touches(ids):
+                self._lost.append(entry)
 
     def _refuse_records_left_by_a_capture(self, what: str) -> None:
         if any(use.captured for use in self._open):
@@ -476,3 +609,40 @@ class WeightGradStore:
         handle = RemovableHandle(hooks)
         hooks[handle.id] = hook
         return handle
+
+
+_stores: weakref.WeakSet[WeightGradStore] = weakref.WeakSet()
+_stores_lock = threading.Lock()
+
+
+def _live_stores() -> list[WeightGradStore]:
+    with _stores_lock:
+        return list(_stores)
+
+
+def outstanding_w(params: Iterable[torch.Tensor]) -> OutstandingW:
+    """What every live :class:`WeightGradStore` has yet to deliver to ``params``.
+
+    Counts the uses B recorded and no ``seal()`` took yet, the sealed passes
+    not yet run (or still running), and the passes that will deliver nothing
+    more (dropped without ``run()``, or failed part-way) since
+    :func:`forget_lost_w` last cleared them for these parameters.
+    """
+    ids = {id(p) for p in params}
+    open_records = unrun = 0
+    lost: list[str] = []
+    shapes: dict[tuple[int, ...], None] = {}
+    for store in _live_stores():
+        store_open, store_unrun, store_lost, store_shapes = store._outstanding(ids)
+        open_records += store_open
+        unrun += store_unrun
+        lost += store_lost
+        shapes.update(dict.fromkeys(store_shapes))
+    return OutstandingW(open_records, unrun, tuple(lost), tuple(shapes))
+
+
+def forget_lost_w(params: Iterable[torch.Tensor]) -> None:
+    """A new step starts for ``params`` (their ``main_grad`` was zeroed): passes lost in the last one no longer count."""
+    ids = {id(p) for p in params}
+    for store in _live_stores():
+        store._forget_lost(ids)

@@ -35,20 +35,35 @@ does (the use's backward ran after the parameter's last W pass so far: a
 ZBV rank's first stage after its last stage's W), nothing else would ever add
 it, so the hook fires from the parameter's post-accumulate-grad hook at once,
 as DDP's AccumulateGrad hook would for an undelayed parameter.
+
+Every W pass of a step must run before the step's reduction, and none may
+be left for the next step. :func:`guard_ddp_step` makes DDP check it: the
+reduction (``start_grad_sync``, ``finish_grad_sync``, hence
+``finalize_model_grads``) and ``zero_grad_buffer()`` refuse, before changing
+anything, while a W pass of the model's parameters is outstanding.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradsafe.wgrad.markers import mark_delayed_wgrad
+from gradsafe.wgrad._store import forget_lost_w, outstanding_w
+from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 
-__all__ = ["GradReadyRegistry", "Removable", "module_of", "register_megatron_hook"]
+__all__ = [
+    "DDPStepGuard",
+    "GradReadyRegistry",
+    "Removable",
+    "guard_ddp_step",
+    "module_of",
+    "register_megatron_hook",
+]
 
 
 class Removable(Protocol):
@@ -175,3 +190,150 @@ def module_of(
     ``register_wgrad_accumulation_and_reduce_hooks``.
     """
     return torch.nn.ModuleList(_Holder(p, store) for p in params)
+
+
+# The DDP methods the guard wraps: the reduction's two entry points
+# (finalize_model_grads calls finish_grad_sync on every model chunk) and the
+# start of a step.
+_REDUCTIONS = ("start_grad_sync", "finish_grad_sync")
+_ZERO = "zero_grad_buffer"
+
+
+class DDPStepGuard:
+    """The checks :func:`guard_ddp_step` put on one DDP; :meth:`remove` takes them off again."""
+
+    def __init__(self, ddp: Any) -> None:
+        self._ddp = ddp
+        # What each wrapped name was in the instance's own __dict__ (absent: the class's method).
+        self._before: dict[str, object] = {}
+        self._installed: dict[str, Callable[..., Any]] = {}
+        for name in (*_REDUCTIONS, _ZERO):
+            original = getattr(ddp, name)
+            wrapper = self._wrap(name, original)
+            if name in vars(ddp):
+                self._before[name] = vars(ddp)[name]
+            setattr(ddp, name, wrapper)
+            self._installed[name] = wrapper
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for p in self._ddp.module.parameters() if p.requires_grad]
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            params = self._params()
+            found = outstanding_w(params)
+            if name == _ZERO:
+                if found.open_records or found.unrun:
+                    raise RuntimeError(_zero_refusal(found.describe()))
+                result = original(*args, **kwargs)
+                forget_lost_w(params)  # a new step: passes lost in the last one no longer count
+                return result
+            if found:
+                raise RuntimeError(_reduction_refusal(name, found.describe()))
+            return original(*args, **kwargs)
+
+        guarded.__dict__[_GUARD_MARK] = True
+        return guarded
+
+    def remove(self) -> None:
+        """Restore the DDP's methods. Raises ``RuntimeError`` if something replaced a guarded one since."""
+        for name, wrapper in self._installed.items():
+            if vars(self._ddp).get(name) is not wrapper:
+                raise RuntimeError(
+                    f"DDPStepGuard.remove: the DDP's {name} was replaced after the guard was put "
+                    "on; remove that replacement first (guards and wrappers come off in reverse order)"
+                )
+        for name in self._installed:
+            if name in self._before:
+                setattr(self._ddp, name, self._before[name])
+            else:
+                delattr(self._ddp, name)
+        self._installed.clear()
+
+
+_GUARD_MARK = "_gradsafe_ddp_step_guard"
+
+
+def guard_ddp_step(ddp: Any) -> DDPStepGuard:
+    """Make ``ddp``'s reduction and ``zero_grad_buffer()`` refuse while a W pass of its parameters is outstanding.
+
+    ``ddp`` is a Megatron-core ``DistributedDataParallel`` (one per model
+    chunk) or :class:`gradsafe.testing.MegatronStyleDDP`. Wraps, on this
+    instance only, ``start_grad_sync`` and ``finish_grad_sync`` (so
+    ``finalize_model_grads`` too), which raise ``RuntimeError`` before
+    reducing anything while any live :class:`~gradsafe.wgrad.WeightGradStore`
+    holds, for a parameter of ``ddp.module``, a use recorded since the last
+    ``seal()``, a sealed pass not yet run, or a pass dropped unrun or failed
+    part-way in this step; and ``zero_grad_buffer()``, which raises before
+    zeroing anything while a use or a sealed pass is not yet run (a W run
+    after it would bring its microbatch into the new step), and otherwise
+    starts a new step (lost passes of the last one no longer count).
+    :meth:`DDPStepGuard.remove` restores the methods.
+
+    Also refuses, here, a module that offers
+    ``register_wgrad_accumulation_and_reduce_hooks`` and holds more than one
+    delayed parameter (``skip_backward_post_hook``) under
+    ``delay_wgrad_compute``: DDP hands it one hook per such parameter without
+    saying which, so one parameter's hook would serve another.
+
+    Raises:
+        ValueError: ``ddp`` is already guarded, or a module holds two delayed parameters.
+    """
+    if any(
+        vars(ddp).get(name) is not None and _GUARD_MARK in getattr(vars(ddp)[name], "__dict__", {})
+        for name in (*_REDUCTIONS, _ZERO)
+    ):
+        raise ValueError("guard_ddp_step: this DDP is already guarded (one guard per DDP)")
+    if getattr(ddp.ddp_config, "delay_wgrad_compute", False):
+        _refuse_two_delayed_parameters_in_one_module(ddp.module)
+    return DDPStepGuard(ddp)
+
+
+def _refuse_two_delayed_parameters_in_one_module(model: torch.nn.Module) -> None:
+    # Megatron-core's routing, read in 0.19.2: every module offering the method
+    # and holding (recursively) a marked parameter gets one call per such parameter.
+    for name, module in model.named_modules():
+        if not hasattr(module, "register_wgrad_accumulation_and_reduce_hooks"):
+            continue
+        delayed = {
+            id(p): p for p in module.parameters() if p.requires_grad and grad_lifetime_is_managed(p)
+        }
+        if len(delayed) > 1:
+            shapes = ", ".join(str(tuple(p.shape)) for p in delayed.values())
+            raise ValueError(
+                f"guard_ddp_step: module {name or '(the model)'} ({type(module).__name__}) offers "
+                "register_wgrad_accumulation_and_reduce_hooks and holds "
+                f"{len(delayed)} delayed parameters (skip_backward_post_hook; shapes {shapes}). "
+                "Megatron-core's DDP (delay_wgrad_compute=True) calls that method once per delayed "
+                "parameter without saying which, so the module registers every hook for one "
+                "parameter (the last replacing the others): one parameter's W would fire another's "
+                "hook, and the others' W gradients would never reach main_grad. Give each "
+                "delayed parameter (e.g. a delayed bias) its own module offering the method, or "
+                "do not delay it"
+            )
+
+
+def _reduction_refusal(name: str, what: str) -> str:
+    return (
+        f"DDP.{name}(): delayed weight gradients of this model are outstanding: {what}. "
+        "The reduction would average main_grad without them, and a W pass run after it adds "
+        "its gradient to the already-reduced main_grad (each rank its own gradient, unreduced). "
+        "Every W pass of a step must run before the step's reduction: with Megatron-core's "
+        "schedules (forward_backward_no_pipelining, "
+        "forward_backward_pipelining_without_interleaving), run them in a "
+        "config.finalize_model_grads_func wrapper before calling finalize_model_grads "
+        "(docs/wgrad.md). Nothing was reduced."
+    )
+
+
+def _zero_refusal(what: str) -> str:
+    return (
+        "DDP.zero_grad_buffer(): delayed weight gradients of the step being zeroed are "
+        f"outstanding: {what}. Run after the zeroing, such a W pass would bring its "
+        "microbatch into the next step (with a tied weight's undelayed gradient waiting in "
+        ".grad for it). Every W pass of a step runs before the step's reduction (docs/wgrad.md). "
+        "To abandon the step instead: drop every reference to its unrun passes (after "
+        "store.seal(), for uses recorded since the last seal), set each parameter's .grad to "
+        "None, then call zero_grad_buffer(). Nothing was zeroed."
+    )

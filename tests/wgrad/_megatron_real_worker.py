@@ -19,11 +19,13 @@ every rank one data-parallel replica.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import itertools
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,9 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         second = self.lin2 if self.lin2 is not None else self.lin
         return self.out(torch.tanh(second(torch.tanh(self.lin(x)))))
+
+    def set_input_tensor(self, tensor: object) -> None:
+        """Megatron's schedules hand a stage its input here; a first stage gets None."""
 
 
 def _data(step: int, rank: int, mb: int, dtype: torch.dtype) -> torch.Tensor:
@@ -251,10 +256,7 @@ def _case(
                 rank,
                 dtype,
             )
-            # Megatron's reduction: scale by 1/world in the grad dtype, then sum.
-            for p in emu.params:
-                p.main_grad.mul_(1.0 / world)
-                dist.all_reduce(p.main_grad)
+            emu.finish_grad_sync()  # Megatron's reduction: scale by 1/world, then sum
 
         found["outcome"].append((_outcome(real_step), _outcome(emu_step)))
         if found["outcome"][-1] != ("ok", "ok"):
@@ -384,9 +386,7 @@ def _tied_case(
         def emu_step() -> None:
             emu.zero_grad_buffer()
             one_step(nets[1], stores[1], contextlib.nullcontext)
-            for p in emu.params:
-                p.main_grad.mul_(1.0 / world)
-                dist.all_reduce(p.main_grad)
+            emu.finish_grad_sync()
 
         found["outcome"].append((_outcome(real_step), _outcome(emu_step)))
         if found["outcome"][-1] != ("ok", "ok"):
@@ -483,6 +483,287 @@ def _capture_window(fused_linear: Any) -> list[object]:
     return found
 
 
+class _CpuZeros:
+    """``torch`` for megatron-core's schedules, whose token counter is ``torch.zeros(..., device="cuda")``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: object = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*size, **kwargs)
+
+
+def _real_ddp(net: torch.nn.Module, **config: bool) -> Any:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    return DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=WIDTH, num_attention_heads=1),
+        DistributedDataParallelConfig(**config),
+        net,
+    )
+
+
+def _lifecycle_case(
+    fused_linear: Any, world: int, rank: int, *, item: str, real: bool, overlap: bool, fused: bool
+) -> dict[str, Any]:
+    """Items 1-4 of issue 30 under a guarded DDP (real or emulated): the refusal, and main_grad untouched by it.
+
+    Three microbatches, each W one behind, as in the recipe; what goes wrong:
+    ``w_after_reduction``: the last W left for after ``finish_grad_sync``;
+    ``zero_between_b_and_w``: ``zero_grad_buffer()`` after the last B, before its W;
+    ``forgotten_w`` / ``dropped_w``: the last W never run (held, or dropped unrun).
+    ``unguarded``: the first, without the guard: how far off main_grad ends.
+    """
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad import WeightGradStore, guard_ddp_step
+
+    torch.manual_seed(5)
+    store = WeightGradStore()
+    net = Net(fused_linear, store, fused=fused, tied=False, dtype=torch.float32)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    config = {
+        "overlap_grad_reduce": overlap,
+        "grad_reduce_in_fp32": True,
+        "delay_wgrad_compute": True,
+    }
+    ddp = _real_ddp(net, **config) if real else MegatronStyleDDP(net, **config)
+    guard = None if item == "unguarded" else guard_ddp_step(ddp)
+    no_sync = ddp.no_sync if real else contextlib.nullcontext
+    microbatches = 3
+    ddp.zero_grad_buffer()
+    pending: dict[int, Any] = {}
+    for phase, mb in _schedule(microbatches)[:-1]:  # all but the last W
+        with no_sync() if mb < microbatches - 1 else contextlib.nullcontext():
+            if phase == "B":
+                (ddp if real else net)(_data(0, rank, mb, torch.float32)).pow(2).sum().backward()
+                pending[mb] = store.seal()
+            else:
+                pending.pop(mb).run()
+    last = pending.pop(microbatches - 1)
+    before = [p.main_grad.clone() for p in net.parameters()]
+    found: dict[str, Any] = {}
+    if item in ("w_after_reduction", "unguarded"):
+        found["refusal"] = _outcome(ddp.finish_grad_sync)
+    elif item == "zero_between_b_and_w":
+        found["refusal"] = _outcome(ddp.zero_grad_buffer)
+    else:
+        if item == "dropped_w":
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                del last
+                gc.collect()
+        found["refusal"] = _outcome(ddp.finish_grad_sync)
+    found["unchanged"] = all(torch.equal(b, p.main_grad) for b, p in zip(before, net.parameters()))
+    if item == "unguarded":  # what the refusal prevents: the W after the reduction
+        last.run()
+        ref = _reference(state, 0, world, microbatches, torch.float32)
+        found["error"] = max(
+            ((p.main_grad.double() - ref[name]).abs().max() / ref[name].abs().max()).item()
+            for name, p in net.named_parameters()
+            if name in ref
+        )
+        gathered = [torch.zeros_like(net.lin.weight.main_grad) for _ in range(world)]
+        dist.all_gather(gathered, net.lin.weight.main_grad)
+        found["ranks_disagree"] = max((g - gathered[0]).abs().max().item() for g in gathered)
+    elif item != "dropped_w":
+        last.run()  # the fix: W before the reduction, which then goes through
+        found["after_fix"] = _outcome(ddp.finish_grad_sync)
+    if guard is not None:
+        guard.remove()
+    return found
+
+
+class _DelayedAffine(torch.autograd.Function):
+    """``x @ w.T + b``, both gradients delayed (fused into main_grad or not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: Any, b: Any, store: Any, fused: bool) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w, ctx.b, ctx.store, ctx.fused = w, b, store, fused
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        for param, wgrad in ((ctx.w, g.t() @ x), (ctx.b, g.sum(0))):
+
+            def compute(main_grad: Any, wgrad: torch.Tensor = wgrad) -> Any:
+                if main_grad is None:
+                    return wgrad
+                main_grad.add_(wgrad)
+                return None
+
+            ctx.store.record(param, compute, accumulate_into_main_grad=ctx.fused)
+        return g @ ctx.w, None, None, None, None
+
+
+class _TwoDelayed(torch.nn.Module):
+    """docs/wgrad.md's module recipe over a weight and a delayed bias (both marked): one module, two delayed parameters."""
+
+    def __init__(self, store: Any, fused: bool) -> None:
+        super().__init__()
+        from gradsafe.wgrad import mark_delayed_wgrad
+
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        self.bias = torch.nn.Parameter(torch.randn(WIDTH))
+        mark_delayed_wgrad(self.weight)
+        mark_delayed_wgrad(self.bias)
+        self.store, self.fused = store, fused
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Any) -> None:
+        from gradsafe.wgrad import register_megatron_hook
+
+        register_megatron_hook(self.store, self.weight, hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DelayedAffine.apply(x, self.weight, self.bias, self.store, self.fused)
+
+
+def _two_delayed() -> dict[str, Any]:
+    """A real DDP whose module holds two delayed parameters: guard_ddp_step refuses it; unguarded, W does, before writing."""
+    from gradsafe.wgrad import WeightGradStore, guard_ddp_step
+
+    found: dict[str, Any] = {}
+    for overlap, fused in itertools.product((False, True), (False, True)):
+        store = WeightGradStore()
+        net = _TwoDelayed(store, fused)
+        ddp = _real_ddp(
+            net, overlap_grad_reduce=overlap, delay_wgrad_compute=True, grad_reduce_in_fp32=True
+        )
+        guarded = _outcome(lambda ddp=ddp: guard_ddp_step(ddp))
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(3, WIDTH)).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the refused pass, dropped unrun
+            at_w = _outcome(store.seal().run)
+        untouched = all(not p.main_grad.any() and p.grad is None for p in net.parameters())
+        found[f"overlap={overlap} fused={fused}"] = (guarded, at_w, untouched)
+    return found
+
+
+def _schedule_case(
+    fused_linear: Any,
+    world: int,
+    rank: int,
+    *,
+    schedule: str,
+    overlap: bool,
+    fused: bool,
+    w_where: str,
+) -> dict[str, Any]:
+    """docs/wgrad.md's recipe for Megatron-core's own schedules: every W in a finalize_model_grads_func wrapper.
+
+    ``w_where``: ``"finalize"`` (the recipe) or ``"after"`` (after
+    forward_backward_func returns: the guarded reduction inside refuses).
+    Two steps of 3 microbatches, guarded real DDP; main_grad against fp64 autograd.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+
+    from gradsafe.wgrad import WeightGradStore, guard_ddp_step
+
+    schedules.torch = _CpuZeros()  # type: ignore[assignment]
+    torch.manual_seed(9)
+    store = WeightGradStore()
+    net = Net(fused_linear, store, fused=fused, tied=False, dtype=torch.float32)
+    net.model_type = ModelType.encoder_or_decoder  # what the schedules ask a model
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    ddp = _real_ddp(
+        net, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True, delay_wgrad_compute=True
+    )
+    guard = guard_ddp_step(ddp)
+    config = ddp.config
+
+    def finalize_with_w(model: list[Any], *args: Any, **kwargs: Any) -> None:
+        if w_where == "finalize":
+            store.seal().run()  # every W of the step, before the reduction
+        finalize_model_grads(model, *args, **kwargs)
+
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_with_w
+    func = getattr(schedules, schedule)
+    microbatches = 3
+    found: dict[str, Any] = {"outcome": [], "real": []}
+    for step in range(2):
+        batches = iter([_data(step, rank, mb, torch.float32) for mb in range(microbatches)])
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            out = model(next(data_iterator))
+            return out, lambda o: (o.pow(2).sum(), {"loss": o.detach()})
+
+        def run_step(batches: Any = batches) -> None:
+            ddp.zero_grad_buffer()
+            func(
+                forward_step_func=forward_step,
+                data_iterator=batches,
+                model=[ddp],
+                num_microbatches=microbatches,
+                seq_length=3,
+                micro_batch_size=3,
+            )
+
+        found["outcome"].append(_outcome(run_step))
+        if found["outcome"][-1] != "ok":
+            break
+        ref = _reference(state, step, world, microbatches, torch.float32)
+        errs = [
+            (
+                (p.main_grad.double() - ref[name] / microbatches).abs().max()
+                / ref[name].abs().max()
+            ).item()
+            for name, p in net.named_parameters()
+        ]
+        left = any(p.grad is not None for p in net.parameters())
+        found["real"].append(float("inf") if left else max(errs))
+    guard.remove()
+    return found
+
+
+def _lifecycle(fused_linear: Any, world: int, rank: int) -> dict[str, Any]:
+    items = ("w_after_reduction", "zero_between_b_and_w", "forgotten_w", "dropped_w", "unguarded")
+    found: dict[str, Any] = {
+        "items": [
+            (
+                {"item": item, "real": real, "overlap": overlap, "fused": fused},
+                _lifecycle_case(
+                    fused_linear, world, rank, item=item, real=real, overlap=overlap, fused=fused
+                ),
+            )
+            for item, real, overlap, fused in itertools.product(
+                items, (True, False), (False, True), (False, True)
+            )
+        ],
+        "two_delayed": _two_delayed(),
+        "schedules": [
+            (
+                {"schedule": schedule, "overlap": overlap, "fused": fused, "w_where": w_where},
+                _schedule_case(
+                    fused_linear,
+                    world,
+                    rank,
+                    schedule=schedule,
+                    overlap=overlap,
+                    fused=fused,
+                    w_where=w_where,
+                ),
+            )
+            for schedule, overlap, fused, w_where in itertools.product(
+                (
+                    "forward_backward_no_pipelining",
+                    "forward_backward_pipelining_without_interleaving",
+                ),
+                (False, True),
+                (False, True),
+                ("finalize", "after"),
+            )
+        ],
+    }
+    return found
+
+
 def main() -> None:
     rank, port, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     outfile = Path(sys.argv[4]) / f"rank{rank}.pt"
@@ -545,6 +826,7 @@ def main() -> None:
             )
         ]
         found["probes"] = _probes(fused_linear)
+        found["lifecycle"] = _lifecycle(fused_linear, world, rank)
     except Exception:  # noqa: BLE001 (reported to the test, which fails with it)
         found["crash"] = traceback.format_exc()
     found["seconds"] = time.perf_counter() - start

@@ -230,12 +230,38 @@ def _delayed_linear_main_grads(delay_bias: bool) -> tuple[list[torch.Tensor], li
     return [module.weight.main_grad, module.bias.main_grad], [r.grad for r in ref]
 
 
-def test_a_megatron_hook_serving_another_parameter_is_refused_at_w() -> None:
+def test_a_module_delaying_its_bias_too_is_refused_at_w() -> None:
     # DDP hands the module one hook per delayed parameter; the recipe registers
     # both for the weight, the bias's replacing the weight's. Silently, the
     # weight's W gradient then stayed in .grad (main_grad 100 % off, fp64).
-    with pytest.raises(RuntimeError, match="serves another parameter"):
+    with pytest.raises(RuntimeError, match="a delayed bias next to its weight"):
         _delayed_linear_main_grads(delay_bias=True)
+
+
+class _RegistersFor(torch.nn.Module):
+    """Holds ``own`` and offers Megatron's method, but registers the hook it gets for ``other``."""
+
+    def __init__(self, own: torch.nn.Parameter, store: WeightGradStore) -> None:
+        super().__init__()
+        self.own, self.store = own, store
+        self.other: torch.Tensor | None = None
+        mark_delayed_wgrad(own)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):  # type: ignore[no-untyped-def]
+        assert self.other is not None
+        register_megatron_hook(self.store, self.other, hook)
+
+
+def test_a_megatron_hook_serving_another_parameter_is_refused_at_w() -> None:
+    """Two modules registering each other's hook: every delayed parameter has one, each the wrong one."""
+    store = WeightGradStore()
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    a, b = _RegistersFor(p, store), _RegistersFor(q, store)
+    a.other, b.other = q, p
+    MegatronStyleDDP(torch.nn.ModuleList([a, b]), delay_wgrad_compute=True)
+    store.record(p, lambda _: torch.ones(3), accumulate_into_main_grad=False)
+    with pytest.raises(RuntimeError, match="serves another parameter"):
+        store.seal().run()
 
 
 def test_one_delayed_parameter_per_module_is_exact() -> None:

@@ -124,3 +124,80 @@ def test_a_tied_embedding_backward_after_the_heads_last_w_is_exact_under_real_me
             assert found["outcome"] == [("ok", "ok")] * 3, key
             assert max(found["real"]) <= 1e-5, (key, found["real"])
             assert found["real_vs_emu"] == [0.0] * 3, key
+
+
+def test_every_w_lifecycle_misuse_is_refused_before_main_grad_changes_under_real_megatron(
+    ranks,
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30, items 1-4, under guard_ddp_step, real DDP and MegatronStyleDDP alike.
+
+    A W left for after finish_grad_sync, zero_grad_buffer() between the last B
+    and its W, the last W forgotten (held) or dropped unrun: each refused by the
+    reduction or zero_grad_buffer before it changes main_grad; running the W
+    first then lets the reduction through.
+    """
+    for result in ranks:
+        cases = result["lifecycle"]["items"]
+        assert len(cases) == 5 * 8
+        for key, found in cases:
+            if key["item"] == "unguarded":
+                continue
+            where = (
+                "zero_grad_buffer" if key["item"] == "zero_between_b_and_w" else "finish_grad_sync"
+            )
+            assert found["refusal"].startswith(f"RuntimeError: DDP.{where}(): delayed weight"), (
+                key,
+                found,
+            )
+            assert found["unchanged"], key
+            if key["item"] != "dropped_w":
+                assert found["after_fix"] == "ok", (key, found)
+
+
+def test_a_w_after_the_reduction_is_what_the_guard_prevents(ranks) -> None:  # type: ignore[no-untyped-def]
+    """Without the guard, the last W after finish_grad_sync: main_grad off and, at world 2, the ranks disagree."""
+    for result in ranks:
+        world = len(ranks)
+        for key, found in result["lifecycle"]["items"]:
+            if key["item"] != "unguarded":
+                continue
+            assert found["refusal"] == "ok", key
+            if world == 1:  # nothing to reduce: the late W is still exact
+                assert found["error"] < 1e-5, (key, found)
+            else:
+                assert found["error"] > 0.05 and found["ranks_disagree"] > 0.05, (key, found)
+
+
+def test_a_module_with_two_delayed_parameters_is_refused_before_any_main_grad_changes(
+    ranks,
+) -> None:  # type: ignore[no-untyped-def]
+    """Item 5: guard_ddp_step refuses the module; unguarded, the W pass refuses it before writing anything."""
+    for result in ranks:
+        cases = result["lifecycle"]["two_delayed"]
+        assert len(cases) == 4
+        for key, (guarded, at_w, untouched) in cases.items():
+            assert guarded.startswith(
+                "ValueError: guard_ddp_step: module (the model) (_TwoDelayed)"
+            )
+            assert at_w.startswith("RuntimeError: PendingWeightGrads.run: the delayed parameter"), (
+                key,
+                at_w,
+            )
+            assert untouched, key
+
+
+def test_every_w_in_a_finalize_model_grads_func_wrapper_is_exact_in_megatrons_schedules(
+    ranks,
+) -> None:  # type: ignore[no-untyped-def]
+    """docs/wgrad.md's recipe in forward_backward_no_pipelining and _without_interleaving; W after the schedule refused."""
+    for result in ranks:
+        cases = result["lifecycle"]["schedules"]
+        assert len(cases) == 2 * 2 * 2 * 2
+        for key, found in cases:
+            if key["w_where"] == "finalize":
+                assert found["outcome"] == ["ok", "ok"], (key, found)
+                assert max(found["real"]) <= 1e-5, (key, found)
+            else:
+                assert found["outcome"][0].startswith(
+                    "RuntimeError: DDP.finish_grad_sync(): delayed weight"
+                ), (key, found)
