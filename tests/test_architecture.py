@@ -3,14 +3,19 @@
 Every import in ``gradsafe/`` counts (module level, inside functions, under
 ``TYPE_CHECKING``; relative and absolute). Layers, bottom up:
 
-0. ``gradsafe.patching`` (the registry and its parts), ``gradsafe._torch_support``
+0. ``gradsafe.patching`` (the registry and its parts), ``gradsafe._torch_support``,
+   ``gradsafe._shared`` (utilities capabilities and tools share)
 1. ``gradsafe.checks`` (what a hazard reproduction is)
 2. the capability subpackages: ``pipelining``, ``dtensor``, ``cuda_graphs``,
-   ``wgrad``, ``testing``
+   ``wgrad``, ``testing``, and the ``verify`` tool (a client of ``pipelining``
+   and ``wgrad`` that ``testing`` re-exports; no capability imports it, see
+   :func:`test_no_capability_imports_the_verify_tool`)
 3. ``gradsafe.capabilities`` (the table that registers every patch)
 4. ``gradsafe`` (the package's face), ``gradsafe.doctor``, ``gradsafe.__main__``
 
-An import is upward when it goes to a higher layer than its own.
+An import is upward when it goes to a higher layer than its own. The one there
+is: ``gradsafe.verify._worker``, the main program of a ``gradsafe verify
+--schedule`` rank process, applies ``gradsafe.patch``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 import gradsafe
 
 PACKAGE = Path(gradsafe.__file__).parent
-CAPABILITY_PACKAGES = ("pipelining", "dtensor", "cuda_graphs", "wgrad", "testing")
+CAPABILITY_PACKAGES = ("pipelining", "dtensor", "cuda_graphs", "wgrad", "testing", "verify")
 
 
 def modules() -> dict[str, Path]:
@@ -69,7 +74,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer(module: str) -> int:
     parts = module.split(".")
-    if parts[1:2] in (["patching"], ["_torch_support"]):
+    if parts[1:2] in (["patching"], ["_torch_support"], ["_shared"]):
         return 0
     if parts[1:2] == ["checks"]:
         return 1
@@ -135,6 +140,19 @@ def test_at_most_one_import_runs_up_the_layers() -> None:
     assert len(upward) <= 1, upward
 
 
+def test_no_capability_imports_the_verify_tool() -> None:
+    """verify sits on the capabilities; the one way down to it is pipelining's lazy shim for the
+    names that moved (``gradsafe.pipelining.verify`` and friends, deprecated for one release)."""
+    into_verify = sorted(
+        f"{source} -> {target}"
+        for source, targets in import_graph().items()
+        for target in targets
+        if target.startswith("gradsafe.verify")
+        and source.split(".")[1:2] in (["pipelining"], ["dtensor"], ["cuda_graphs"], ["wgrad"])
+    )
+    assert into_verify == ["gradsafe.pipelining -> gradsafe.verify"]
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -151,6 +169,8 @@ INTERNALS_MODULES = {
     "gradsafe.wgrad": {"gradsafe.wgrad._torch"},
     # A dispatch mode (no public API for one): the CPU graph recorder.
     "gradsafe.testing": {"gradsafe.testing._graph_recorder"},
+    # A dispatch mode and storages' identities: live tensor memory on any device.
+    "gradsafe._shared": {"gradsafe._shared.live_storage"},
 }
 
 

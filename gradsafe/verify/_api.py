@@ -10,9 +10,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gradsafe.pipelining import _verify_run
 from gradsafe.pipelining._handoff import SplitBackwardError
-from gradsafe.pipelining._verify_report import (
+from gradsafe.verify import _run
+from gradsafe.verify._report import (
     CRASH,
     EXACT,
     HOOKS,
@@ -26,7 +26,7 @@ from gradsafe.pipelining._verify_report import (
     Timing,
     VerifyReport,
 )
-from gradsafe.pipelining._verify_run import ORDERS, RunResult, Split
+from gradsafe.verify._run import ORDERS, RunResult, Split
 
 __all__ = ["ORDERS", "verify"]
 
@@ -37,7 +37,7 @@ _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, to
 
 def _gradsafe_split() -> Split:
     """The split under test. Looked up at each run, so a test can put a broken W in its place
-    (tests/pipelining/test_verify.py does) and see the check fail."""
+    (tests/verify/test_verify.py does) and see the check fail."""
     from gradsafe.pipelining import _backward
 
     return Split(
@@ -95,7 +95,7 @@ def verify(
             CUDA nodes on a device thread), with the device synchronised
             around each backward.
         memory: also measure each run's peak live tensor memory (see
-            :class:`~gradsafe.pipelining._verify_report.Memory`); with
+            :class:`~gradsafe.verify._report.Memory`); with
             ``time_backward`` it is measured in extra runs, so that the
             counting does not slow the timed ones.
         progress: called with one line per run (the command line prints it).
@@ -114,7 +114,7 @@ def verify(
         raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
     if dtype not in _TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
-    _verify_run.refuse_gradients_kept_elsewhere(modules)
+    _run.refuse_gradients_kept_elsewhere(modules)
     if isinstance(microbatches, torch.Tensor):  # iterating it would make each row a microbatch
         raise TypeError(
             f"microbatches is one tensor of shape {tuple(microbatches.shape)}; pass a list of "
@@ -139,7 +139,7 @@ def verify(
         split: Split | None, order: str | None, label: str, count: bool = count_in_checked_runs
     ) -> RunResult:
         say(f"verify: {label} ...")
-        return _verify_run.run(
+        return _run.run(
             modules,
             batches,
             loss_fn,
@@ -220,7 +220,7 @@ def _report(
                 err, ok = (
                     (None, None)
                     if res.error is not None
-                    else _verify_run.compare(want, got.get(name), tol)
+                    else _run.compare(want, got.get(name), tol)
                 )
                 errors[name].setdefault(impl, {})[order] = err
                 oks[name].setdefault(impl, {})[order] = ok

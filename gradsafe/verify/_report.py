@@ -1,4 +1,4 @@
-"""What ``gradsafe.pipelining.verify`` found: a typed, immutable report, a table and a JSON form."""
+"""What ``gradsafe.verify.verify`` found: a typed, immutable report, a table and a JSON form."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """The result of :func:`gradsafe.pipelining.verify`.
+    """The result of :func:`gradsafe.verify.verify`.
 
     ``ok`` is True when gradsafe's split equals the fused backward in every
     order checked: every parameter and stage-input gradient within the

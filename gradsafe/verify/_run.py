@@ -23,10 +23,10 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import is_lazy
 
-from gradsafe.pipelining import _verify_hazards
-from gradsafe.pipelining._live_storage import LiveStorage
+from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining._torch import apply_to_tensors
-from gradsafe.pipelining._verify_hooks import HookCounter
+from gradsafe.verify import _graph_scan
+from gradsafe.verify._hooks import HookCounter
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -234,7 +234,7 @@ def _run(
     counter.instrument_copies(list(zip(prefixes, modules, copies)))
     result = RunResult({}, {}, {}, counter.counts)
     if find_hazards and counter.hooked:
-        result.hazards[_verify_hazards.HOOKS_IN_W] = set(counter.hooked)
+        result.hazards[_graph_scan.HOOKS_IN_W] = set(counter.hooked)
     inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     outputs: dict[tuple[int, int], Any] = {}
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -453,7 +453,7 @@ def _hazards(
         ]
         if not stop:
             continue  # no stage input needs a gradient: the schedule runs this stage's backward fused
-        for hazard, params in _verify_hazards.find(edges, stop, names).items():
+        for hazard, params in _graph_scan.find(edges, stop, names).items():
             found.setdefault(hazard, set()).update(params)
     return found
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsafe.pipelining import _verify_run
+from gradsafe.verify import _run
 
 __all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
 
@@ -161,14 +161,14 @@ def verify_schedule(
     concatenation along dim 0). Dropout draws other numbers in a schedule than
     in one process: use a model without it (or eval mode) here.
     """
-    from gradsafe.pipelining._verify_factory import load_factory
+    from gradsafe.verify._factory import load_factory
 
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     say = progress or (lambda line: None)
     stages, microbatches, *rest = load_factory(spec)
     stages = list(stages)
-    _verify_run.refuse_gradients_kept_elsewhere(stages)
+    _run.refuse_gradients_kept_elsewhere(stages)
     if len(stages) != 2 * ranks:
         raise ValueError(
             f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
@@ -181,7 +181,7 @@ def verify_schedule(
         raise ValueError(
             "--schedule needs microbatches of tensors with one batch size (dim 0): the schedule re-splits them"
         )
-    loss = rest[0] if rest else _verify_run.projection_loss
+    loss = rest[0] if rest else _run.projection_loss
     where = placement(schedule, ranks)
     # Reference: stages on one rank share what they share; across ranks nothing is
     # shared. Each rank's stages come from a build of their own, as on the ranks: a
@@ -193,7 +193,7 @@ def verify_schedule(
             ordered[i] = built[i]
             ordered[i].load_state_dict(stages[i].state_dict())
     say("verify --schedule: single-process reference ...")
-    reference = _verify_run.run(ordered, batches, loss, dtype, None, None, 0)
+    reference = _run.run(ordered, batches, loss, dtype, None, None, 0)
     if reference.error is not None:
         raise RuntimeError(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}"
@@ -217,7 +217,7 @@ def verify_schedule(
                     continue
                 wrong = []
                 for name, got in out["grads"].items():
-                    err, ok = _verify_run.compare(reference.params.get(name), got, tol)
+                    err, ok = _run.compare(reference.params.get(name), got, tol)
                     errors.setdefault(name, {})[mode] = err
                     if not ok:
                         wrong.append(name)
@@ -227,7 +227,7 @@ def verify_schedule(
     )
 
 
-def _refuse_consumed_gradients(reference: _verify_run.RunResult) -> None:
+def _refuse_consumed_gradients(reference: _run.RunResult) -> None:
     """The ranks report gradients only: a parameter whose hook consumed its gradient (stepped it
     and cleared ``.grad``) would compare None with None and pass, whatever the schedule gave it."""
     consumed = [
@@ -255,7 +255,7 @@ def _launch(
             [
                 sys.executable,
                 "-m",
-                "gradsafe._verify_worker",
+                "gradsafe.verify._worker",
                 str(r),
                 port,
                 str(ranks),

@@ -1,4 +1,4 @@
-"""One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.pipelining._verify_schedule``; it sits on top, beside the command line, because it applies ``gradsafe.patch``).
+"""One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.verify._schedule``; it sits on top, beside the command line, because it applies ``gradsafe.patch``).
 
 argv: rank port ranks schedule mode(gradsafe|upstream) spec dtype workdir. Builds the
 stages with the user's factory, loads the initial state the parent saved, runs one
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsafe.pipelining._verify_factory import load_factory
-from gradsafe.pipelining._verify_run import cast_module, projection_loss
-from gradsafe.pipelining._verify_schedule import placement
+from gradsafe.verify._factory import load_factory
+from gradsafe.verify._run import cast_module, projection_loss
+from gradsafe.verify._schedule import placement
 
 
 def apply_gradsafe() -> None:

@@ -1,0 +1,1 @@
+"""utilities shared by capabilities and tools, importing nothing of gradsafe above gradsafe.patching"""
