@@ -12,7 +12,6 @@ import os
 import sys
 import traceback
 from datetime import timedelta
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -56,9 +55,35 @@ def main() -> None:
         if mode == "gradsafe":
             apply_gradsafe()
         dtype = getattr(torch, dtype_name)
+        stages, _, *rest = load_factory(spec)
+        loss = rest[0] if rest else projection_loss
+        saved = torch.load(os.path.join(workdir, "init.pt"), weights_only=False)
+        # Cast first: loading copies into the parameters' own dtype, which
+        # depends on this process's default dtype.
+        for module, state in zip(stages, saved["states"]):
+            cast_module(module, dtype).load_state_dict(state)
         indices = placement(schedule, ranks)[rank]
-        mine, loss, microbatches = _build(spec, dtype, workdir, indices)
-        _step(pipelining, schedule, ranks, mine, loss, microbatches, dtype)
+        mine = {i: stages[i] for i in indices}
+        for module in mine.values():
+            for p in module.parameters():
+                p.grad = None
+        pipeline_stages = [
+            pipelining.PipelineStage(mine[i], i, 2 * ranks, torch.device("cpu")) for i in indices
+        ]
+        schedule_cls = getattr(pipelining, f"Schedule{schedule}")
+        microbatches = saved["microbatches"]
+        runner = schedule_cls(
+            pipeline_stages,
+            n_microbatches=len(microbatches),
+            # The target of microbatch k is k: the user's loss_fn(output, k).
+            loss_fn=lambda output, target: loss(output, int(target[0])),
+            scale_grads=False,  # the reference sums microbatches unscaled
+        )
+        inputs = _whole_batch(microbatches, dtype)
+        kwargs: dict[str, Any] = {}
+        if 2 * ranks - 1 in indices:
+            kwargs = {"target": torch.arange(len(microbatches)), "losses": []}
+        runner.step(*(inputs if 0 in indices else ()), **kwargs)
         result["grads"] = {
             f"{i}.{name}": None if p.grad is None else p.grad.detach().clone()
             for i in indices
@@ -74,57 +99,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _build(
-    spec: str, dtype: torch.dtype, workdir: str, indices: list[int]
-) -> tuple[dict[int, torch.nn.Module], Any, list[tuple[torch.Tensor, ...]]]:
-    """This rank's stages (by index) from the factory, in the parent's initial state without
-    gradients; the loss; the microbatches the parent saved."""
-    stages, _, *rest = load_factory(spec)
-    loss = rest[0] if rest else projection_loss
-    saved = torch.load(os.path.join(workdir, "init.pt"), weights_only=False)
-    # Cast first: loading copies into the parameters' own dtype, which
-    # depends on this process's default dtype.
-    for module, state in zip(stages, saved["states"]):
-        cast_module(module, dtype).load_state_dict(state)
-    mine = {i: stages[i] for i in indices}
-    for module in mine.values():
-        for p in module.parameters():
-            p.grad = None
-    return mine, loss, saved["microbatches"]
-
-
-def _step(
-    pipelining: ModuleType,
-    schedule: str,
-    ranks: int,
-    mine: dict[int, torch.nn.Module],
-    loss: Any,
-    microbatches: list[tuple[torch.Tensor, ...]],
-    dtype: torch.dtype,
-) -> None:
-    """One step of torch's ``Schedule{schedule}`` (from ``torch.distributed.pipelining``) on this rank's stages."""
-    indices = list(mine)
-    pipeline_stages = [
-        pipelining.PipelineStage(mine[i], i, 2 * ranks, torch.device("cpu")) for i in indices
-    ]
-    schedule_cls = getattr(pipelining, f"Schedule{schedule}")
-    runner = schedule_cls(
-        pipeline_stages,
-        n_microbatches=len(microbatches),
-        # The target of microbatch k is k: the user's loss_fn(output, k).
-        loss_fn=lambda output, target: loss(output, int(target[0])),
-        scale_grads=False,  # the reference sums microbatches unscaled
-    )
-    inputs = [
+def _whole_batch(microbatches: list[tuple[torch.Tensor, ...]], dtype: torch.dtype) -> list[Any]:
+    """The microbatches concatenated along dim 0, floating ones in ``dtype``: the schedule re-splits them."""
+    return [
         torch.cat([mb[j] for mb in microbatches]).to(dtype)
         if microbatches[0][j].is_floating_point()
         else torch.cat([mb[j] for mb in microbatches])
         for j in range(len(microbatches[0]))
     ]
-    kwargs: dict[str, Any] = {}
-    if 2 * ranks - 1 in indices:
-        kwargs = {"target": torch.arange(len(microbatches)), "losses": []}
-    runner.step(*(inputs if 0 in indices else ()), **kwargs)
 
 
 if __name__ == "__main__":
