@@ -12,8 +12,8 @@ from collections.abc import Sequence
 # or gradsafe, and nothing the doctor runs needs it. Set before torch is imported.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from gradsafe import _verify_cli  # noqa: E402  (imports no torch)
 from gradsafe.capabilities import CAPABILITIES  # noqa: E402  (imports no torch)
+from gradsafe.verify import cli as verify_cli  # noqa: E402  (imports no torch)
 
 _CAPABILITIES = tuple(c.name for c in CAPABILITIES)
 
@@ -52,13 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"run only this capability's rows (repeatable): {', '.join(_CAPABILITIES)}; "
         "wgrad is a library custom kernels call, the others are gradsafe.patch() names",
     )
-    _verify_cli.add_parser(commands)
+    verify_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     if args.command == "verify":
-        return _verify_cli.run(args)
+        return verify_cli.run(args)
 
     from gradsafe import doctor as doctor_module
 

@@ -8,9 +8,13 @@ three functions where ``torch.distributed.pipelining`` looks them up, and
 the fixes to torch's schedule classes kept in :mod:`gradsafe.pipelining.schedule`
 (stage metadata inference without side effects, H6; a weight several stages
 of a rank share scaled once, H7; the stage call sites W needs changed).
-:func:`verify` checks, on copies of a user's own stages, that the split gives
-a fused backward's gradients (and shows what torch's own split gives).
+The tool that checks this split on a user's own stages is
+:mod:`gradsafe.verify` (``gradsafe.pipelining.verify``, ``ORDERS`` and
+``VerifyReport`` still resolve there, with a ``DeprecationWarning``, for one
+release).
 """
+
+from typing import Any
 
 from gradsafe.pipelining._backward import (
     stage_backward,
@@ -24,21 +28,35 @@ from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
 )
-from gradsafe.pipelining._verify import ORDERS, verify
-from gradsafe.pipelining._verify_report import VerifyReport
 from gradsafe.pipelining.schedule._inference import MetadataInferenceError
 
 __all__ = [
-    "ORDERS",
     "GradientEdgeRootError",
     "GradientTypeError",
     "HandoffState",
     "MetadataInferenceError",
     "SplitBackwardError",
-    "VerifyReport",
     "WeightGradHandoff",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",
-    "verify",
 ]
+
+# Moved to gradsafe.verify (a tool on top of this package, which must not import it).
+_MOVED_TO_VERIFY = ("ORDERS", "VerifyReport", "verify")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED_TO_VERIFY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    import gradsafe.verify
+
+    warnings.warn(
+        f"gradsafe.pipelining.{name} moved: use `from gradsafe.verify import {name}` "
+        "(the old name goes in the next release).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(gradsafe.verify, name)

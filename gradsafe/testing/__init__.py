@@ -12,18 +12,18 @@
 * :func:`assert_split_exact` asserts that gradsafe's split backward (the B/W
   of zero-bubble schedules) gives a fused backward's gradients on a model.
 * :class:`LiveStorage` counts the tensor storage alive operator by operator
-  (and its peak), on any device, so memory conditions can be tests.
+  (and its peak), on any device, so memory conditions can be tested.
 """
 
+from gradsafe._shared.live_storage import LiveStorage
 from gradsafe._shared.megatron_ddp import HookCall, MegatronStyleDDP
-from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.testing._cuda_emulation import (
     EmulatedCUDAGraph,
     EmulatedEvent,
     EmulatedStream,
     emulate_cuda_graphs,
 )
-from gradsafe.testing._split_exact import assert_split_exact
+from gradsafe.verify import assert_split_exact
 from gradsafe.wgrad.megatron import module_of
 
 __all__ = [

@@ -22,7 +22,7 @@ outdir/reference.pt with the gradients.
 
 What no torchtitan option covers, done here instead:
 - CPU: torchtitan picks its device type and device module once, at import, so it is imported
-  through ``gradsafe.pipelining._verify_torchtitan.import_torchtitan`` (which ``gradsafe verify
+  through ``gradsafe.verify._torchtitan.import_torchtitan`` (which ``gradsafe verify
   --torchtitan`` uses too): torch's two probes answer "cpu" while torchtitan is imported.
   gloo follows: ``init_distributed`` takes the backend torch maps the device type to.
 - gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for torchtitan's gradient divide factor
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from gradsafe.pipelining._verify_torchtitan import import_torchtitan
+from gradsafe.verify._torchtitan import import_torchtitan
 
 STEPS = 3
 SEQ_LEN = 16  # divisible by the chunked loss's 8 chunks

@@ -61,9 +61,7 @@ and :func:`missing_feature` reports it before the patch is applied:
 - ``torch.distributed.pipelining._backward``, where torch's split functions
   live (the hazard reproductions call whichever is installed there), and the
   schedules' ``_Action`` (parsing an action's string form, for capture orders);
-- for ``verify``: ``TorchDispatchMode`` (``torch.utils._python_dispatch``) and
-  ``UntypedStorage._cdata`` (a storage's identity) to count live tensor memory
-  on any device; ``nn.Module._apply`` to cast floating and complex tensors of
+- for :mod:`gradsafe.verify`: ``nn.Module._apply`` to cast floating and complex tensors of
   a copy apart (``Module.to`` casts complex buffers to real); torch's device
   probes ``torch._utils._get_available_device_type`` / ``_get_device_module``,
   which torchtitan reads once at import to pick its device.
@@ -71,7 +69,7 @@ and :func:`missing_feature` reports it before the patch is applied:
 By topic, one module each: :mod:`._nodes` (node kinds, input metadata,
 saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
 (the engine's entry points, callbacks, the checkpoint group, its errors),
-:mod:`._state` (RNG, FSDP2, storages, device probes) and :mod:`._probe`
+:mod:`._state` (RNG, FSDP2, modules' tensors, device probes) and :mod:`._probe`
 (:func:`missing_feature`). Everything is imported from this package.
 """
 

@@ -1,8 +1,7 @@
-"""torch state outside autograd: RNG, FSDP2's parameters, storages, modules' tensors, device probes.
+"""torch state outside autograd: RNG, FSDP2's parameters, modules' tensors, device probes.
 
 Private torch read here: FSDP2's per-module state (``FSDPParam``),
 ``torch.distributed.pipelining._backward``,
-``UntypedStorage._cdata`` and a sparse tensor's ``_indices``/``_values``,
 ``nn.Module._apply``, and ``torch._utils``' device probes.
 """
 
@@ -17,21 +16,15 @@ from typing import Any
 
 import torch
 import torch._utils
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RngStates",
-    "TorchDispatchMode",
     "apply_to_tensors",
     "device_probes_answer",
     "fsdp_counterparts",
-    "live_nbytes",
     "rng_states",
     "set_rng_states",
     "split_backward_module",
-    "storage_key",
-    "storages_of",
 ]
 
 
@@ -86,29 +79,6 @@ def fsdp_counterparts() -> dict[int, torch.Tensor]:
 def split_backward_module() -> types.ModuleType:
     """``torch.distributed.pipelining._backward`` as it is now: torch's split functions, or gradsafe's when patched."""
     return importlib.import_module("torch.distributed.pipelining._backward")
-
-
-def storages_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, ...]:
-    """The storages ``t``'s data lives in: its own, or a sparse COO tensor's indices and values."""
-    if t.is_sparse:  # uncoalesced too, which the public indices()/values() refuse
-        return (t._indices().untyped_storage(), t._values().untyped_storage())
-    return (t.untyped_storage(),)
-
-
-def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
-    """An identity of a storage (``t``'s, shared by its views), valid while the storage lives."""
-    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
-    return storage._cdata
-
-
-def live_nbytes(ref: StorageWeakRef) -> int | None:
-    """The present size in bytes of the storage ``ref`` refers to weakly, None once it is freed.
-
-    Read now, not at creation: FSDP2 frees and re-gathers its unsharded
-    parameters by resizing their storages in place.
-    """
-    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-    return None if storage is None else storage.nbytes()
 
 
 def apply_to_tensors(

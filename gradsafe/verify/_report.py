@@ -1,4 +1,4 @@
-"""What ``gradsafe.pipelining.verify`` found: a typed, immutable report, a table and a JSON form."""
+"""What ``gradsafe.verify.verify`` found: a typed, immutable report, a table and a JSON form."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """The result of :func:`gradsafe.pipelining.verify`.
+    """The result of :func:`gradsafe.verify.verify`.
 
     ``ok`` is True when gradsafe's split equals the fused backward in every
     order checked: every parameter and stage-input gradient within the
@@ -120,11 +120,35 @@ class VerifyReport:
             f"gradsafe verify: {self.stages} stage(s), {self.microbatches} microbatch(es), "
             f"{self.dtype}, torch {self.torch_version}, tolerance {self.tolerance:g} (relative)"
         )
-        lines = [head, ""]
-        lines += _table(
+        lines = [head, "", *self._verdict_lines()]
+        if self.refused is not None:
+            lines += ["", f"gradsafe refuses this model: {self.refused}"]
+        lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
+        lines += [
+            f"  {name}: {', '.join(params[:6])}"
+            + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
+            for name, params in self.hazards.items()
+        ] or ["  none"]
+        lines += ["", "Gradients that differ from fused (relative error; worst over orders):"]
+        lines += self._gradient_lines()
+        lines += [
+            "",
+            f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted",
+            *self._hook_lines(),
+        ]
+        if self.timing:
+            lines += ["", *_timing_lines(self.timing)]
+        if self.memory:
+            lines += ["", *_memory_lines(self.memory)]
+        lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
+        return "\n".join(lines)
+
+    def _verdict_lines(self) -> list[str]:
+        """Each order's verdict per implementation, then every distinct error message once."""
+        lines = _table(
             ["W order", "gradsafe", "torch's split"],
             [
-                [order, _verdict(self.gradsafe[order]), _verdict(self.upstream[order])]
+                [order, _cell(self.gradsafe[order]), _cell(self.upstream[order])]
                 for order in self.orders
             ],
         )
@@ -134,23 +158,15 @@ class VerifyReport:
             for r in per.values()
             if r.message
         }
-        lines += [f"  {' '.join(m.split())[:300]}" for m in messages]
-        if self.refused is not None:
-            lines += ["", f"gradsafe refuses this model: {self.refused}"]
-        lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
-        lines += [
-            f"  {name}: {', '.join(params[:6])}"
-            + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
-            for name, params in self.hazards.items()
-        ] or ["  none"]
+        return lines + [f"  {' '.join(m.split())[:300]}" for m in messages]
+
+    def _gradient_lines(self) -> list[str]:
+        """The gradients some run got wrong, one row each; the others counted in one line."""
         shown = [
             r for r in self.grads if not all(ok for per in r.ok.values() for ok in per.values())
         ]
-        lines += ["", "Gradients that differ from fused (relative error; worst over orders):"]
-        if not shown:
-            lines.append("  none")
-        lines += (
-            []
+        lines = (
+            ["  none"]
             if not shown
             else _table(
                 ["gradient", "shape", "max|fused|", "gradsafe", "torch's split"],
@@ -181,49 +197,51 @@ class VerifyReport:
             lines.append(
                 f"  {len(exact)} gradient(s) equal fused in every run (worst relative error {worst:.2g})"
             )
+        return lines
+
+    def _hook_lines(self) -> list[str]:
         differing = [
             h for h in self.hooks if any(c != h.fused for m in h.calls.values() for c in m.values())
         ]
-        lines += [
-            "",
-            f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted",
-        ]
-        if differing:
-            lines += _table(
-                ["counted", "fused", "gradsafe", "torch's split"],
-                [
-                    [h.label, str(h.fused), _calls(h, "gradsafe"), _calls(h, "upstream")]
-                    for h in differing
-                ],
+        if not differing:
+            return ["  every count equals fused"]
+        return _table(
+            ["counted", "fused", "gradsafe", "torch's split"],
+            [
+                [h.label, str(h.fused), _calls(h, "gradsafe"), _calls(h, "upstream")]
+                for h in differing
+            ],
+        )
+
+
+def _timing_lines(timing: Mapping[str, Mapping[str, Timing]]) -> list[str]:
+    fused = timing["fused"]["fused"]
+    lines = [
+        "Backward time (CPU / wall, x fused; CPU: the calling thread's, on CUDA the process's):"
+    ]
+    for impl, per in timing.items():
+        for order, t in per.items():
+            lines.append(
+                f"  {impl:8} {order:12} {t.cpu_s:8.3f} s cpu ({t.cpu_s / max(fused.cpu_s, 1e-9):.2f}x)"
+                f" {t.wall_s:8.3f} s wall ({t.wall_s / max(fused.wall_s, 1e-9):.2f}x)"
             )
-        else:
-            lines.append("  every count equals fused")
-        if self.timing:
-            fused = self.timing["fused"]["fused"]
-            lines += [
-                "",
-                "Backward time (CPU / wall, x fused; CPU: the calling thread's, on CUDA the process's):",
-            ]
-            for impl, per in self.timing.items():
-                for order, t in per.items():
-                    lines.append(
-                        f"  {impl:8} {order:12} {t.cpu_s:8.3f} s cpu ({t.cpu_s / max(fused.cpu_s, 1e-9):.2f}x)"
-                        f" {t.wall_s:8.3f} s wall ({t.wall_s / max(fused.wall_s, 1e-9):.2f}x)"
-                    )
-        if self.memory:
-            fused_peak = self.memory["fused"]["fused"].peak_bytes
-            lines += ["", "Peak live tensor memory (MiB, x fused):"]
-            for impl, per_order in self.memory.items():
-                for order, m in per_order.items():
-                    lines.append(
-                        f"  {impl:8} {order:12} {m.peak_bytes / 2**20:10.3f} MiB"
-                        f" ({m.peak_bytes / max(fused_peak, 1):.2f}x)"
-                    )
-        lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
-        return "\n".join(lines)
+    return lines
 
 
-def _verdict(result: OrderResult) -> str:
+def _memory_lines(memory: Mapping[str, Mapping[str, Memory]]) -> list[str]:
+    fused_peak = memory["fused"]["fused"].peak_bytes
+    lines = ["Peak live tensor memory (MiB, x fused):"]
+    for impl, per_order in memory.items():
+        for order, m in per_order.items():
+            lines.append(
+                f"  {impl:8} {order:12} {m.peak_bytes / 2**20:10.3f} MiB"
+                f" ({m.peak_bytes / max(fused_peak, 1):.2f}x)"
+            )
+    return lines
+
+
+def _cell(result: OrderResult) -> str:
+    """One order's verdict of one implementation, as the table shows it."""
     if result.verdict in (CRASH, REFUSED):
         return f"{result.verdict} in {result.where}"
     parts = [result.verdict]

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import _verify, verify
-from gradsafe.pipelining._verify_run import Split
+from gradsafe.verify import _api, verify
+from gradsafe.verify._run import Split
 
-_GRADSAFE_SPLIT = _verify._gradsafe_split
+_GRADSAFE_SPLIT = _api._gradsafe_split
 
 
 def _after_w(change: Callable[[list[nn.Parameter]], None]) -> Callable[[], Split]:
@@ -62,7 +62,7 @@ def test_a_wrong_imaginary_part_of_a_complex_gradient_makes_the_report_not_ok(
     torch.manual_seed(0)
     module = _ComplexWeight()
     assert verify(module, _batches()).ok  # the real split: exact, imaginary part included
-    monkeypatch.setattr(_verify, "_gradsafe_split", _after_w(_shift_imaginary_part))
+    monkeypatch.setattr(_api, "_gradsafe_split", _after_w(_shift_imaginary_part))
     report = verify(module, _batches())
     assert not report.ok, str(report)
     assert all(r.verdict == "WRONG" and "w" in r.params for r in report.gradsafe.values())
@@ -102,7 +102,7 @@ def test_a_wrong_step_by_a_hook_that_consumes_the_gradient_makes_the_report_not_
     assert report.ok, str(report)  # the real split steps exactly as fused
     rows = {r.name: r for r in report.grads}
     assert rows["lin.weight"].fused_max is None  # the hook left no .grad to compare
-    monkeypatch.setattr(_verify, "_gradsafe_split", _after_w(_nudge))
+    monkeypatch.setattr(_api, "_gradsafe_split", _after_w(_nudge))
     report = verify(module, _batches(), orders=("w-after-b",))
     assert not report.ok, str(report)
     assert {"value of lin.weight after the run", "value of lin.bias after the run"} <= set(
@@ -135,7 +135,7 @@ def test_a_split_that_moves_a_parameter_fused_leaves_alone_makes_the_report_not_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    monkeypatch.setattr(_verify, "_gradsafe_split", _after_w(_nudge))
+    monkeypatch.setattr(_api, "_gradsafe_split", _after_w(_nudge))
     report = verify(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), _batches(1))
     assert not report.ok, str(report)
     assert report.gradsafe["w-after-b"].params == (

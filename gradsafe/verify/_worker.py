@@ -1,4 +1,4 @@
-"""One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.pipelining._verify_schedule``; it sits on top, beside the command line, because it applies ``gradsafe.patch``).
+"""One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.verify._schedule``; the one module of the package that imports ``gradsafe`` itself, because it applies ``gradsafe.patch``).
 
 argv: rank port ranks schedule mode(gradsafe|upstream) spec dtype workdir. Builds the
 stages with the user's factory, loads the initial state the parent saved, runs one
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsafe.pipelining._verify_factory import load_factory
-from gradsafe.pipelining._verify_run import cast_module, projection_loss
-from gradsafe.pipelining._verify_schedule import placement
+from gradsafe.verify._factory import load_factory
+from gradsafe.verify._run import cast_module, projection_loss
+from gradsafe.verify._schedule import placement
 
 
 def apply_gradsafe() -> None:
@@ -79,12 +79,7 @@ def main() -> None:
             loss_fn=lambda output, target: loss(output, int(target[0])),
             scale_grads=False,  # the reference sums microbatches unscaled
         )
-        inputs = [
-            torch.cat([mb[j] for mb in microbatches]).to(dtype)
-            if microbatches[0][j].is_floating_point()
-            else torch.cat([mb[j] for mb in microbatches])
-            for j in range(len(microbatches[0]))
-        ]
+        inputs = _whole_batch(microbatches, dtype)
         kwargs: dict[str, Any] = {}
         if 2 * ranks - 1 in indices:
             kwargs = {"target": torch.arange(len(microbatches)), "losses": []}
@@ -102,6 +97,16 @@ def main() -> None:
     if "crash" in result:
         os._exit(1)  # close the sockets so the peer fails fast instead of waiting on a recv
     dist.destroy_process_group()
+
+
+def _whole_batch(microbatches: list[tuple[torch.Tensor, ...]], dtype: torch.dtype) -> list[Any]:
+    """The microbatches concatenated along dim 0, floating ones in ``dtype``: the schedule re-splits them."""
+    return [
+        torch.cat([mb[j] for mb in microbatches]).to(dtype)
+        if microbatches[0][j].is_floating_point()
+        else torch.cat([mb[j] for mb in microbatches])
+        for j in range(len(microbatches[0]))
+    ]
 
 
 if __name__ == "__main__":

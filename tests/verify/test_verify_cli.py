@@ -13,7 +13,7 @@ from _ranks import worker_env
 from test_verify import _dropping_split
 
 from gradsafe.__main__ import main
-from gradsafe.pipelining import _verify
+from gradsafe.verify import _api
 
 HERE = Path(__file__).parent
 
@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 def test_exact_model_exits_0_with_a_progress_line_per_run(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["verify", "_verify_factories:param_only_output"]) == 0
+    assert main(["verify", "_factories:param_only_output"]) == 0
     out, err = capsys.readouterr()
     assert "H1 parameter-only output: prefix" in out and "OK: gradsafe equals" in out
     assert err.count("verify: ") == 1 + 2 * 3  # the reference, then gradsafe and torch per order
@@ -31,7 +31,7 @@ def test_json_and_orders_and_a_loss_from_the_factory(capsys: pytest.CaptureFixtu
     code = main(
         [
             "verify",
-            "_verify_factories:reused_with_loss",
+            "_factories:reused_with_loss",
             "--json",
             "--orders",
             "w-lag-3",
@@ -46,15 +46,15 @@ def test_json_and_orders_and_a_loss_from_the_factory(capsys: pytest.CaptureFixtu
 def test_a_split_that_drops_a_gradient_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(_verify, "_gradsafe_split", _dropping_split)
-    assert main(["verify", "_verify_factories:reused_with_loss"]) == 1
+    monkeypatch.setattr(_api, "_gradsafe_split", _dropping_split)
+    assert main(["verify", "_factories:reused_with_loss"]) == 1
     out = capsys.readouterr().out
     assert "lin.weight" in out and "NOT OK" in out
 
 
 def test_refused_model_exits_2_with_the_reason() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsafe", "verify", "_verify_factories:reentrant_on_input"],
+        [sys.executable, "-m", "gradsafe", "verify", "_factories:reentrant_on_input"],
         cwd=HERE,
         env=worker_env(),
         capture_output=True,
@@ -66,9 +66,7 @@ def test_refused_model_exits_2_with_the_reason() -> None:
     assert "gradsafe refuses this model" in proc.stdout and "use_reentrant=False" in proc.stdout
 
 
-@pytest.mark.parametrize(
-    "spec", ["_verify_factories:not_a_tuple", "_verify_factories:missing", "no_colon"]
-)
+@pytest.mark.parametrize("spec", ["_factories:not_a_tuple", "_factories:missing", "no_colon"])
 def test_unusable_factory_exits_2_naming_the_problem(
     spec: str, capsys: pytest.CaptureFixture[Any]
 ) -> None:

@@ -3,6 +3,11 @@
 torch's own memory statistics exist for CUDA only; a dispatch mode sees every
 operator's outputs on every device. ``verify(memory=True)`` counts with it;
 tests and benchmarks use it as :class:`gradsafe.testing.LiveStorage`.
+
+Private torch read here: ``TorchDispatchMode`` (``torch.utils._python_dispatch``),
+``UntypedStorage._cdata`` and ``_new_with_weak_ptr`` (a storage's identity and
+its present size through a weak reference), and a sparse tensor's
+``_indices``/``_values``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-
-from gradsafe.pipelining._torch import TorchDispatchMode, live_nbytes, storage_key, storages_of
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LiveStorage"]
 
@@ -84,3 +88,26 @@ class LiveStorage(TorchDispatchMode):
         key = storage_key(storage)
         if key not in self._storages and key not in self._existing:
             self._storages[key] = StorageWeakRef(storage)
+
+
+def storages_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, ...]:
+    """The storages ``t``'s data lives in: its own, or a sparse COO tensor's indices and values."""
+    if t.is_sparse:  # uncoalesced too, which the public indices()/values() refuse
+        return (t._indices().untyped_storage(), t._values().untyped_storage())
+    return (t.untyped_storage(),)
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """An identity of a storage (``t``'s, shared by its views), valid while the storage lives."""
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage._cdata
+
+
+def live_nbytes(ref: StorageWeakRef) -> int | None:
+    """The present size in bytes of the storage ``ref`` refers to weakly, None once it is freed.
+
+    Read now, not at creation: FSDP2 frees and re-gathers its unsharded
+    parameters by resizing their storages in place.
+    """
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return None if storage is None else storage.nbytes()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gradsafe.pipelining import verify
+from gradsafe.verify import verify
 
 
 def _batches() -> list[tuple[torch.Tensor]]:
@@ -90,7 +90,7 @@ def test_concurrent_verifies_count_their_own_hooks_and_leave_register_hook_resto
 
 
 def test_forward_phases_overlapping_on_two_threads_count_their_own_hooks_and_restore() -> None:
-    from gradsafe.pipelining._verify_hooks import HookCounter
+    from gradsafe.verify._hooks import HookCounter
 
     original = torch.Tensor.register_hook
     counters = [HookCounter(), HookCounter()]

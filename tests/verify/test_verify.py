@@ -1,4 +1,4 @@
-"""``gradsafe.pipelining.verify`` on models where torch's split is wrong, crashes or skips hooks."""
+"""``gradsafe.verify.verify`` on models where torch's split is wrong, crashes or skips hooks."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import _verify, verify
 from gradsafe.pipelining._hazards import (
     ParamOnlyOutput,
     ReusedAroundOther,
     ReusedLinear,
     compare_with_fused,
 )
-from gradsafe.pipelining._verify_run import Split
 from gradsafe.testing import assert_split_exact
+from gradsafe.verify import _api, verify
+from gradsafe.verify._run import Split
 
 
 def _batches(count: int = 4, dim: int = 4) -> list[tuple[torch.Tensor]]:
@@ -114,7 +114,7 @@ def test_caller_module_grads_hooks_and_rng_are_left_as_they_were() -> None:
         assert dict(p._post_accumulate_grad_hooks or {}) == hooks[name][1]
 
 
-_GRADSAFE_SPLIT = _verify._gradsafe_split
+_GRADSAFE_SPLIT = _api._gradsafe_split
 
 
 def _dropping_split() -> Split:
@@ -133,7 +133,7 @@ def _dropping_split() -> Split:
 def test_a_split_that_drops_a_gradient_makes_the_report_not_ok(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_verify, "_gradsafe_split", _dropping_split)
+    monkeypatch.setattr(_api, "_gradsafe_split", _dropping_split)
     torch.manual_seed(0)
     report = verify(ReusedLinear(), _batches())
     assert not report.ok
@@ -315,7 +315,7 @@ def test_sparse_gradients_are_compared_and_a_dense_one_in_their_place_is_wrong(
     torch.manual_seed(0)
     report = verify(_SparseEmbedding(), batches)
     assert report.ok, str(report)
-    monkeypatch.setattr(_verify, "_gradsafe_split", _densifying_split)
+    monkeypatch.setattr(_api, "_gradsafe_split", _densifying_split)
     report = verify(_SparseEmbedding(), batches)
     assert not report.ok
     assert all(r.params == ("emb.weight",) for r in report.gradsafe.values()), str(report)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
 
-from gradsafe.pipelining._torch import (
+from gradsafe.pipelining.inspection import (
     is_python_node,
     module_backward_hook_dicts,
     multi_grad_hook_codes,

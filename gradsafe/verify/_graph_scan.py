@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from torch.autograd.graph import GradientEdge, Node
 
-from gradsafe.pipelining._graph import analyze
+from gradsafe.pipelining.inspection import analyze
 
 __all__ = ["HOOKS_IN_W", "NESTED", "OVERLAPPING", "PARALLEL", "PARAM_ONLY", "find"]
 

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _factories import four_prefix_stages
 from _ranks import worker_env
-from _verify_factories import four_prefix_stages
 
-from gradsafe.pipelining import verify
-from gradsafe.pipelining._verify_schedule import ScheduleReport, verify_schedule
+from gradsafe.verify import verify
+from gradsafe.verify._schedule import ScheduleReport, verify_schedule
 
 HERE = Path(__file__).parent
-SPEC = "_verify_factories:four_prefix_stages"
+SPEC = "_factories:four_prefix_stages"
 
 
 def _skip_if_gloo_cannot_run_v_shapes(results: dict[str, dict[str, dict[str, str]]]) -> None:
@@ -81,7 +81,7 @@ def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
 def test_schedule_refuses_parameters_whose_gradient_a_hook_consumed() -> None:
     # The ranks report .grad only: None against None would pass whatever the step was.
     with pytest.raises(ValueError, match=r"0\.0\.weight.*kept no \.grad.*without --schedule"):
-        verify_schedule("_verify_factories:stepped_in_backward", "ZBVZeroBubble", 2)
+        verify_schedule("_factories:stepped_in_backward", "ZBVZeroBubble", 2)
 
 
 def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
@@ -89,7 +89,7 @@ def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
 ) -> None:
     monkeypatch.chdir(HERE)
     # A deep copy drops parameter hooks: the reference must be built as the ranks build it.
-    report = verify_schedule("_verify_factories:doubled_by_hooks", "ZBVZeroBubble", 2)
+    report = verify_schedule("_factories:doubled_by_hooks", "ZBVZeroBubble", 2)
     _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
     assert report.ok, str(report)
     assert {r.verdict for r in report.results["upstream"].values()} == {"right"}, str(report)
@@ -103,7 +103,7 @@ def test_a_gradsafe_rank_refuses_when_the_pipelining_patch_does_not_apply(
     import dataclasses
 
     import gradsafe
-    from gradsafe._verify_worker import apply_gradsafe
+    from gradsafe.verify._worker import apply_gradsafe
 
     skipped = dataclasses.replace(
         gradsafe.status()["pipelining"], state="skipped", refcount=0, skipped="probe failed: X"

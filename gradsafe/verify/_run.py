@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -23,10 +23,10 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import is_lazy
 
-from gradsafe.pipelining import _verify_hazards
-from gradsafe.pipelining._live_storage import LiveStorage
-from gradsafe.pipelining._torch import apply_to_tensors
-from gradsafe.pipelining._verify_hooks import HookCounter
+from gradsafe._shared.live_storage import LiveStorage
+from gradsafe.pipelining.inspection import apply_to_tensors
+from gradsafe.verify import _graph_scan
+from gradsafe.verify._hooks import HookCounter
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -224,31 +224,21 @@ def _run(
 ) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
-    # One deep copy of all stages: a parameter two stages share (tied
-    # embeddings on a V-shaped rank) stays shared.
-    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
-    for c in copies:
-        for p in c.parameters():
-            p.grad = None
+    copies = _fresh_copies(modules, dtype)
     counter = HookCounter()
     counter.instrument_copies(list(zip(prefixes, modules, copies)))
     result = RunResult({}, {}, {}, counter.counts)
     if find_hazards and counter.hooked:
-        result.hazards[_verify_hazards.HOOKS_IN_W] = set(counter.hooked)
+        result.hazards[_graph_scan.HOOKS_IN_W] = set(counter.hooked)
     inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     outputs: dict[tuple[int, int], Any] = {}
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     handoffs: dict[tuple[int, int], Any] = {}
-    wall = cpu = 0.0
     step = ("", 0, 0)
     existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
     existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
     live = LiveStorage(existing) if memory else None
-    cuda = any(p.is_cuda for c in copies for p in c.parameters())
-    # Autograd runs CUDA nodes on a device thread: count the process's CPU time,
-    # and wait for the device so that wall time covers the kernels.
-    cpu_clock = time.process_time if cuda else time.thread_time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()))
     try:
         with live if live is not None else contextlib.nullcontext():
             for step in events(order, n, len(microbatches)):
@@ -260,13 +250,11 @@ def _run(
                             result.hazards.setdefault(hazard, set()).update(params)
                     continue
                 counter.in_backward = True
-                sync()
-                started, started_cpu = time.perf_counter(), cpu_clock()
-                out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
-                _backward(kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs)
-                cpu += cpu_clock() - started_cpu  # before the wait: it may spin
-                sync()
-                wall += time.perf_counter() - started
+                with clock.timing():
+                    out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
+                    _backward(
+                        kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs
+                    )
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
         result.error = exc
@@ -274,22 +262,66 @@ def _run(
         return result
     finally:
         counter.in_backward = False
-    result.timing = (wall, cpu)
+    result.timing = (clock.wall, clock.cpu)
     result.peak_bytes = None if live is None else live.peak
+    _record_gradients(copies, prefixes, inputs, dinputs, result)
+    _record_values(modules, copies, prefixes, result)
+    return result
+
+
+class _BackwardClock:
+    """Wall and CPU seconds summed over a run's backward steps.
+
+    Autograd runs CUDA nodes on a device thread: on CUDA the process's CPU time
+    is counted, and the device is waited for so that wall time covers the kernels.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.wall = self.cpu = 0.0
+        self._cpu_clock = time.process_time if cuda else time.thread_time
+        self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Adds the time of its block (not when the block raises: the run is then reported crashed)."""
+        self._sync()
+        started, started_cpu = time.perf_counter(), self._cpu_clock()
+        yield
+        self.cpu += self._cpu_clock() - started_cpu  # before the wait: it may spin
+        self._sync()
+        self.wall += time.perf_counter() - started
+
+
+def _fresh_copies(modules: Sequence[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
+    """The stages deep-copied, cast to ``dtype``, without gradients. One deep copy of all
+    stages: a parameter two stages share (tied embeddings on a V-shaped rank) stays shared."""
+    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
+    for c in copies:
+        for p in c.parameters():
+            p.grad = None
+    return copies
+
+
+def _record_gradients(
+    copies: Sequence[nn.Module],
+    prefixes: Sequence[str],
+    inputs: dict[tuple[int, int], tuple[Any, ...]],
+    dinputs: dict[tuple[int, int], tuple[Any, ...]],
+    result: RunResult,
+) -> None:
+    """Every parameter's gradient, and each stage input's per microbatch, into ``result``."""
     for s, c in enumerate(copies):
         for name, p in c.named_parameters():
             if p.requires_grad:
                 key = prefixes[s] + name
                 result.params[key] = None if p.grad is None else p.grad.detach().clone()
                 result.shapes[key] = tuple(p.shape)
-    _record_values(modules, copies, prefixes, result)
     for (s, k), grads in sorted(dinputs.items()):
         for i, (value, grad) in enumerate(zip(inputs[s, k], grads)):
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 key = f"stage {s} input {i}, microbatch {k}"
                 result.inputs[key] = None if grad is None else grad.detach().clone()
                 result.shapes[key] = tuple(value.shape)
-    return result
 
 
 def _record_values(
@@ -453,7 +485,7 @@ def _hazards(
         ]
         if not stop:
             continue  # no stage input needs a gradient: the schedule runs this stage's backward fused
-        for hazard, params in _verify_hazards.find(edges, stop, names).items():
+        for hazard, params in _graph_scan.find(edges, stop, names).items():
             found.setdefault(hazard, set()).update(params)
     return found
 

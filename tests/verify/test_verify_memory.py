@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gradsafe.__main__ import main
-from gradsafe.pipelining import verify
+from gradsafe.verify import verify
 
 _F64 = 8
 
@@ -62,10 +62,10 @@ def test_all_b_before_w_keeps_every_microbatchs_activations_alive() -> None:
 
 
 def test_cli_memory_prints_the_table_and_the_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "_verify_factories:param_only_output", "--memory"]) == 0
+    assert main(["verify", "_factories:param_only_output", "--memory"]) == 0
     out, _ = capsys.readouterr()
     assert "Peak live tensor memory (MiB, x fused):" in out
-    assert main(["verify", "_verify_factories:param_only_output", "--memory", "--json"]) == 0
+    assert main(["verify", "_factories:param_only_output", "--memory", "--json"]) == 0
     memory = json.loads(capsys.readouterr()[0])["memory"]
     assert memory["fused"]["fused"]["peak_bytes"] > 0
     assert set(memory["gradsafe"]) == {"w-after-b", "w-reversed", "w-lag-3"}
@@ -74,7 +74,7 @@ def test_cli_memory_prints_the_table_and_the_json(capsys: pytest.CaptureFixture[
 def test_memory_and_time_together_count_in_runs_of_their_own(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["verify", "_verify_factories:param_only_output", "--memory", "--time"]) == 0
+    assert main(["verify", "_factories:param_only_output", "--memory", "--time"]) == 0
     out, err = capsys.readouterr()
     assert "Backward time" in out and "Peak live tensor memory" in out
     # warm-up, reference, 2 x 3 checked runs, then the fused and 2 x 3 counted runs

@@ -1,4 +1,4 @@
-"""``assert_split_exact``: :func:`gradsafe.pipelining.verify` as an assertion for users' test suites."""
+"""``assert_split_exact``: :func:`gradsafe.verify.verify` as an assertion for users' test suites."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsafe.pipelining import ORDERS, VerifyReport, verify
+from gradsafe.verify._api import ORDERS, verify
+from gradsafe.verify._report import VerifyReport
 
 __all__ = ["assert_split_exact"]
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from gradsafe.pipelining import _verify_run
+from gradsafe.verify import _run
+from gradsafe.verify._factory import load_factory
 
 __all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
 
@@ -161,44 +162,12 @@ def verify_schedule(
     concatenation along dim 0). Dropout draws other numbers in a schedule than
     in one process: use a model without it (or eval mode) here.
     """
-    from gradsafe.pipelining._verify_factory import load_factory
-
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     say = progress or (lambda line: None)
-    stages, microbatches, *rest = load_factory(spec)
-    stages = list(stages)
-    _verify_run.refuse_gradients_kept_elsewhere(stages)
-    if len(stages) != 2 * ranks:
-        raise ValueError(
-            f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
-        )
-    batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
-    if (
-        any(not isinstance(t, torch.Tensor) for b in batches for t in b)
-        or len({b[0].shape[0] for b in batches}) != 1
-    ):
-        raise ValueError(
-            "--schedule needs microbatches of tensors with one batch size (dim 0): the schedule re-splits them"
-        )
-    loss = rest[0] if rest else _verify_run.projection_loss
-    where = placement(schedule, ranks)
-    # Reference: stages on one rank share what they share; across ranks nothing is
-    # shared. Each rank's stages come from a build of their own, as on the ranks: a
-    # deep copy would drop the hooks the factory put on the parameters.
-    ordered: list[Any] = [None] * len(stages)
-    for indices in where.values():
-        built = list(load_factory(spec)[0])
-        for i in indices:
-            ordered[i] = built[i]
-            ordered[i].load_state_dict(stages[i].state_dict())
+    stages, batches, loss = _stages_and_microbatches(spec, schedule, ranks)
     say("verify --schedule: single-process reference ...")
-    reference = _verify_run.run(ordered, batches, loss, dtype, None, None, 0)
-    if reference.error is not None:
-        raise RuntimeError(
-            f"the fused reference backward failed ({reference.where}): {reference.error!r}"
-        )
-    _refuse_consumed_gradients(reference)
+    reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
     results: dict[str, dict[int, RankResult]] = {}
     errors: dict[str, dict[str, float | str | None]] = {}
     tol = _TOLERANCE[dtype]
@@ -212,22 +181,83 @@ def verify_schedule(
             outs = _launch(mode, spec, schedule, ranks, dtype, workdir)
             results[mode] = {}
             for rank, out in enumerate(outs):
-                if "crash" in out:
-                    results[mode][rank] = RankResult("crash", message=str(out["crash"]))
-                    continue
-                wrong = []
-                for name, got in out["grads"].items():
-                    err, ok = _verify_run.compare(reference.params.get(name), got, tol)
-                    errors.setdefault(name, {})[mode] = err
-                    if not ok:
-                        wrong.append(name)
-                results[mode][rank] = RankResult("WRONG" if wrong else "right", tuple(wrong))
+                results[mode][rank] = _rank_result(out, reference, tol, errors, mode)
     return ScheduleReport(
         schedule, ranks, str(dtype).removeprefix("torch."), torch.__version__, tol, results, errors
     )
 
 
-def _refuse_consumed_gradients(reference: _verify_run.RunResult) -> None:
+def _stages_and_microbatches(
+    spec: str, schedule: str, ranks: int
+) -> tuple[list[Any], list[tuple[Any, ...]], Callable[[Any, int], torch.Tensor]]:
+    """The factory's stages, microbatches and loss, or the error naming what the schedule needs."""
+    stages, microbatches, *rest = load_factory(spec)
+    stages = list(stages)
+    _run.refuse_gradients_kept_elsewhere(stages)
+    if len(stages) != 2 * ranks:
+        raise ValueError(
+            f"{schedule} on {ranks} ranks runs {2 * ranks} stages (two per rank); {spec} returned {len(stages)}"
+        )
+    batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
+    if (
+        any(not isinstance(t, torch.Tensor) for b in batches for t in b)
+        or len({b[0].shape[0] for b in batches}) != 1
+    ):
+        raise ValueError(
+            "--schedule needs microbatches of tensors with one batch size (dim 0): the schedule re-splits them"
+        )
+    return stages, batches, rest[0] if rest else _run.projection_loss
+
+
+def _reference(
+    spec: str,
+    stages: list[Any],
+    where: dict[int, list[int]],
+    batches: list[tuple[Any, ...]],
+    loss: Callable[[Any, int], torch.Tensor],
+    dtype: torch.dtype,
+) -> _run.RunResult:
+    """The fused single-process run the ranks are compared with.
+
+    Stages on one rank share what they share; across ranks nothing is shared.
+    Each rank's stages come from a build of their own, as on the ranks: a deep
+    copy would drop the hooks the factory put on the parameters.
+    """
+    ordered: list[Any] = [None] * len(stages)
+    for indices in where.values():
+        built = list(load_factory(spec)[0])
+        for i in indices:
+            ordered[i] = built[i]
+            ordered[i].load_state_dict(stages[i].state_dict())
+    reference = _run.run(ordered, batches, loss, dtype, None, None, 0)
+    if reference.error is not None:
+        raise RuntimeError(
+            f"the fused reference backward failed ({reference.where}): {reference.error!r}"
+        )
+    _refuse_consumed_gradients(reference)
+    return reference
+
+
+def _rank_result(
+    out: dict[str, Any],
+    reference: _run.RunResult,
+    tol: float,
+    errors: dict[str, dict[str, float | str | None]],
+    mode: str,
+) -> RankResult:
+    """One rank's gradients against the reference; each one's error recorded for ``mode``."""
+    if "crash" in out:
+        return RankResult("crash", message=str(out["crash"]))
+    wrong = []
+    for name, got in out["grads"].items():
+        err, ok = _run.compare(reference.params.get(name), got, tol)
+        errors.setdefault(name, {})[mode] = err
+        if not ok:
+            wrong.append(name)
+    return RankResult("WRONG" if wrong else "right", tuple(wrong))
+
+
+def _refuse_consumed_gradients(reference: _run.RunResult) -> None:
     """The ranks report gradients only: a parameter whose hook consumed its gradient (stepped it
     and cleared ``.grad``) would compare None with None and pass, whatever the schedule gave it."""
     consumed = [
@@ -255,7 +285,7 @@ def _launch(
             [
                 sys.executable,
                 "-m",
-                "gradsafe._verify_worker",
+                "gradsafe.verify._worker",
                 str(r),
                 port,
                 str(ranks),

@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["add_parser", "run"]
 
 _DTYPES = ("float64", "float32", "bfloat16")
-_ORDERS = ("w-after-b", "w-reversed", "w-lag-3")  # gradsafe.pipelining.ORDERS, without torch
+_ORDERS = ("w-after-b", "w-reversed", "w-lag-3")  # gradsafe.verify.ORDERS, without torch
 _SCHEDULES = ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble")
 
 EXACT, NOT_EXACT, REFUSED = 0, 1, 2
@@ -70,8 +70,8 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gradsafe.pipelining import verify
-    from gradsafe.pipelining._verify_factory import load_factory
+    from gradsafe.verify import verify
+    from gradsafe.verify._factory import load_factory
 
     if "OMP_NUM_THREADS" not in os.environ:
         # verify runs many small ops several times over: intra-op threads only
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     orders = [o for o in args.orders.split(",") if o]
     try:
         if args.torchtitan is not None:
-            from gradsafe.pipelining._verify_torchtitan import build_stages
+            from gradsafe.verify._torchtitan import build_stages
 
             module, microbatches, *rest = build_stages(args.torchtitan, args.schedule, args.ranks)
         else:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_schedule(args: argparse.Namespace) -> int:
     import torch
 
-    from gradsafe.pipelining._verify_schedule import verify_schedule
+    from gradsafe.verify._schedule import verify_schedule
 
     try:
         report = verify_schedule(

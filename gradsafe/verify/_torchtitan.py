@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsafe.pipelining._torch import device_probes_answer
+from gradsafe.pipelining.inspection import device_probes_answer
 
 __all__ = ["build_stages", "import_torchtitan"]
 
@@ -68,7 +68,7 @@ def import_torchtitan(model: str = "llama3") -> ModuleType:
         raise RuntimeError(
             "torchtitan was imported with device type "
             f"{torchtitan.tools.utils.device_type!r} before gradsafe could make it 'cpu'; "
-            "import it through gradsafe.pipelining._verify_torchtitan.import_torchtitan first."
+            "import it through gradsafe.verify._torchtitan.import_torchtitan first."
         )
     return registry
 
@@ -103,7 +103,7 @@ def build_stages(
 ) -> tuple[list[nn.Module], list[tuple[torch.Tensor]], Callable[[Any, int], torch.Tensor]]:
     """``spec`` (``MODEL[:CONFIG]``)'s stages for ``schedule`` on ``ranks`` pipeline ranks, in stage order.
 
-    Returns ``(stages, microbatches, loss_fn)`` for :func:`gradsafe.pipelining.verify`:
+    Returns ``(stages, microbatches, loss_fn)`` for :func:`gradsafe.verify.verify`:
     MICROBATCHES sequences of SEQ_LEN random tokens, and the mean cross-entropy
     of the last stage's logits against random next tokens.
     """

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradsafe.pipelining import verify
 from gradsafe.testing import MegatronStyleDDP
+from gradsafe.verify import verify
 from gradsafe.wgrad import WeightGradStore
 from gradsafe.wgrad._hazards import repro_linear
 from gradsafe.wgrad.markers import mark_delayed_wgrad

@@ -10,9 +10,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gradsafe.pipelining import _verify_run
-from gradsafe.pipelining._handoff import SplitBackwardError
-from gradsafe.pipelining._verify_report import (
+from gradsafe.pipelining import SplitBackwardError
+from gradsafe.verify import _run
+from gradsafe.verify._report import (
     CRASH,
     EXACT,
     HOOKS,
@@ -26,7 +26,7 @@ from gradsafe.pipelining._verify_report import (
     Timing,
     VerifyReport,
 )
-from gradsafe.pipelining._verify_run import ORDERS, RunResult, Split
+from gradsafe.verify._run import ORDERS, RunResult, Split
 
 __all__ = ["ORDERS", "verify"]
 
@@ -37,11 +37,11 @@ _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, to
 
 def _gradsafe_split() -> Split:
     """The split under test. Looked up at each run, so a test can put a broken W in its place
-    (tests/pipelining/test_verify.py does) and see the check fail."""
-    from gradsafe.pipelining import _backward
+    (tests/verify/test_verify.py does) and see the check fail."""
+    from gradsafe import pipelining
 
     return Split(
-        _backward.stage_backward_input, _backward.stage_backward_weight, _backward.stage_backward
+        pipelining.stage_backward_input, pipelining.stage_backward_weight, pipelining.stage_backward
     )
 
 
@@ -95,7 +95,7 @@ def verify(
             CUDA nodes on a device thread), with the device synchronised
             around each backward.
         memory: also measure each run's peak live tensor memory (see
-            :class:`~gradsafe.pipelining._verify_report.Memory`); with
+            :class:`~gradsafe.verify._report.Memory`); with
             ``time_backward`` it is measured in extra runs, so that the
             counting does not slow the timed ones.
         progress: called with one line per run (the command line prints it).
@@ -106,31 +106,8 @@ def verify(
         registered on the caller's parameters and modules do run, on the
         copies, as in training).
     """
-    modules = [module] if isinstance(module, nn.Module) else list(module)
-    if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise TypeError("module must be an nn.Module or a non-empty sequence of them (the stages).")
-    unknown = [o for o in orders if o not in ORDERS]
-    if unknown or not orders:
-        raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
-    if dtype not in _TOLERANCE:
-        raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
-    _verify_run.refuse_gradients_kept_elsewhere(modules)
-    if isinstance(microbatches, torch.Tensor):  # iterating it would make each row a microbatch
-        raise TypeError(
-            f"microbatches is one tensor of shape {tuple(microbatches.shape)}; pass a list of "
-            "microbatches, each a tuple of the first stage's inputs (e.g. [(x,)] for one)."
-        )
-    batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
-    if not batches:
-        raise ValueError("microbatches is empty: pass at least one microbatch.")
+    modules, batches = _checked_arguments(module, microbatches, dtype, orders, memory)
     say = progress or (lambda line: None)
-    if memory and any(p.is_cuda for m in modules for p in m.parameters()):
-        raise ValueError(
-            "verify(memory=True) counts tensor storage with a dispatch mode on the calling "
-            "thread, and autograd runs a CUDA backward on a device thread of its own, so the "
-            "count would leave out the backward's memory. Verify memory on a CPU copy of the "
-            "model, or read torch.cuda.max_memory_allocated around your own steps."
-        )
 
     # Counting memory costs a Python call per operator: never in a timed run.
     count_in_checked_runs = memory and not time_backward
@@ -139,7 +116,7 @@ def verify(
         split: Split | None, order: str | None, label: str, count: bool = count_in_checked_runs
     ) -> RunResult:
         say(f"verify: {label} ...")
-        return _verify_run.run(
+        return _run.run(
             modules,
             batches,
             loss_fn,
@@ -170,6 +147,41 @@ def verify(
         reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
     )
     return dataclasses.replace(report, memory=peaks)
+
+
+def _checked_arguments(
+    module: nn.Module | Sequence[nn.Module],
+    microbatches: Sequence[Any],
+    dtype: torch.dtype,
+    orders: Sequence[str],
+    memory: bool,
+) -> tuple[list[nn.Module], list[tuple[Any, ...]]]:
+    """``verify``'s stages and microbatches as lists, or the error that names what to pass instead."""
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError("module must be an nn.Module or a non-empty sequence of them (the stages).")
+    unknown = [o for o in orders if o not in ORDERS]
+    if unknown or not orders:
+        raise ValueError(f"unknown W order(s) {unknown}; choose from {list(ORDERS)}.")
+    if dtype not in _TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(_TOLERANCE)}, got {dtype}.")
+    _run.refuse_gradients_kept_elsewhere(modules)
+    if isinstance(microbatches, torch.Tensor):  # iterating it would make each row a microbatch
+        raise TypeError(
+            f"microbatches is one tensor of shape {tuple(microbatches.shape)}; pass a list of "
+            "microbatches, each a tuple of the first stage's inputs (e.g. [(x,)] for one)."
+        )
+    batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in microbatches]
+    if not batches:
+        raise ValueError("microbatches is empty: pass at least one microbatch.")
+    if memory and any(p.is_cuda for m in modules for p in m.parameters()):
+        raise ValueError(
+            "verify(memory=True) counts tensor storage with a dispatch mode on the calling "
+            "thread, and autograd runs a CUDA backward on a device thread of its own, so the "
+            "count would leave out the backward's memory. Verify memory on a CPU copy of the "
+            "model, or read torch.cuda.max_memory_allocated around your own steps."
+        )
+    return modules, batches
 
 
 def _peaks(
@@ -207,11 +219,50 @@ def _report(
     timed: bool,
 ) -> VerifyReport:
     tol = _TOLERANCE[dtype]
+    rows, oks = _grad_rows(reference, runs, tol)
+    verdicts: dict[str, dict[str, OrderResult]] = {}
+    refused = None
+    for impl, per in runs.items():
+        verdicts[impl] = {}
+        for order, res in per.items():
+            verdicts[impl][order] = _order_result(impl, order, res, reference, oks)
+            if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) and refused is None:
+                refused = str(res.error)
+    timing = None
+    if timed:
+        timing = {"fused": {"fused": Timing(*reference.timing)}} | {
+            impl: {o: Timing(*r.timing) for o, r in per.items() if r.error is None}
+            for impl, per in runs.items()
+        }
+    return VerifyReport(
+        torch_version=torch.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        stages=stages,
+        microbatches=microbatches,
+        orders=orders,
+        tolerance=tol,
+        gradsafe=verdicts["gradsafe"],
+        upstream=verdicts["upstream"],
+        grads=rows,
+        hooks=_hook_rows(reference, runs),
+        hazards={name: tuple(sorted(params)) for name, params in sorted(reference.hazards.items())},
+        refused=refused,
+        timing=timing,
+    )
+
+
+Oks = dict[str, dict[str, dict[str, bool | None]]]  # gradient -> implementation -> order -> ok
+
+
+def _grad_rows(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]], tol: float
+) -> tuple[tuple[GradRow, ...], Oks]:
+    """One row per parameter, parameter move and stage input (the worst over microbatches);
+    and, per gradient of each microbatch, whether each run got it right."""
     moves = _changed_values(reference, runs)
     wanted = {**reference.params, **reference.inputs, **moves}
-    rows: list[GradRow] = []
     errors: dict[str, dict[str, dict[str, float | str | None]]] = {n: {} for n in wanted}
-    oks: dict[str, dict[str, dict[str, bool | None]]] = {n: {} for n in wanted}
+    oks: Oks = {n: {} for n in wanted}
     for impl, per in runs.items():
         for order, res in per.items():
             moved = {k: res.values.get(k, torch.zeros_like(v)) for k, v in moves.items()}
@@ -220,14 +271,14 @@ def _report(
                 err, ok = (
                     (None, None)
                     if res.error is not None
-                    else _verify_run.compare(want, got.get(name), tol)
+                    else _run.compare(want, got.get(name), tol)
                 )
                 errors[name].setdefault(impl, {})[order] = err
                 oks[name].setdefault(impl, {})[order] = ok
-    # One row per stage input: the worst over microbatches.
     merged: dict[str, list[str]] = {}
     for name in wanted:
         merged.setdefault(name.split(", microbatch")[0], []).append(name)
+    rows: list[GradRow] = []
     for row_name, names in merged.items():
         row_errors: dict[str, dict[str, float | str | None]] = {}
         row_oks: dict[str, dict[str, bool | None]] = {}
@@ -248,10 +299,14 @@ def _report(
                 row_oks,
             )
         )
+    return tuple(rows), oks
+
+
+def _hook_rows(reference: RunResult, runs: dict[str, dict[str, RunResult]]) -> tuple[HookRow, ...]:
     labels = sorted(
         set(reference.counts).union(*(r.counts for per in runs.values() for r in per.values()))
     )
-    hooks = tuple(
+    return tuple(
         HookRow(
             label,
             reference.counts[label],
@@ -261,35 +316,6 @@ def _report(
             },
         )
         for label in labels
-    )
-    verdicts: dict[str, dict[str, OrderResult]] = {}
-    refused = None
-    for impl, per in runs.items():
-        verdicts[impl] = {}
-        for order, res in per.items():
-            verdicts[impl][order] = _verdict(impl, order, res, reference, oks)
-            if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) and refused is None:
-                refused = str(res.error)
-    timing = None
-    if timed:
-        timing = {"fused": {"fused": Timing(*reference.timing)}} | {
-            impl: {o: Timing(*r.timing) for o, r in per.items() if r.error is None}
-            for impl, per in runs.items()
-        }
-    return VerifyReport(
-        torch_version=torch.__version__,
-        dtype=str(dtype).removeprefix("torch."),
-        stages=stages,
-        microbatches=microbatches,
-        orders=orders,
-        tolerance=tol,
-        gradsafe=verdicts["gradsafe"],
-        upstream=verdicts["upstream"],
-        grads=tuple(rows),
-        hooks=hooks,
-        hazards={name: tuple(sorted(params)) for name, params in sorted(reference.hazards.items())},
-        refused=refused,
-        timing=timing,
     )
 
 
@@ -321,13 +347,10 @@ def _worst_of(values: list[float | str | None]) -> float | str | None:
     return max(v for v in values if isinstance(v, float))
 
 
-def _verdict(
-    impl: str,
-    order: str,
-    res: RunResult,
-    reference: RunResult,
-    oks: dict[str, dict[str, dict[str, bool | None]]],
+def _order_result(
+    impl: str, order: str, res: RunResult, reference: RunResult, oks: Oks
 ) -> OrderResult:
+    """One implementation's verdict in one order (the report renders it: ``_report._cell``)."""
     if res.error is not None:
         kind = (
             REFUSED if impl == "gradsafe" and isinstance(res.error, SplitBackwardError) else CRASH
