@@ -409,7 +409,7 @@ def measure_stage(
             try:
                 result = _one_pass(stage, tokens, policies[name], flops)
             except Exception as exc:  # torch's split on selective AC: reported in the table
-                failed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:60]}"
+                failed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:100]}"
                 stage.zero_grad(set_to_none=True)
                 continue
             if rep >= warmup:
@@ -496,33 +496,34 @@ def print_costs(cases: Sequence[Case], policies: Sequence[str]) -> None:
 
 
 def print_makespans(
-    cases: Sequence[Case], policies: Sequence[str], args: argparse.Namespace, which: str
+    cases: Sequence[Case], policies: Sequence[str], args: argparse.Namespace
 ) -> None:
     print(
-        f"\nStep makespan / ideal zero-bubble step, costed by {which}"
-        f" ({args.microbatches} microbatches, latency {args.latency:g}; 1.00 = no bubble)"
+        f"\nStep makespan / ideal zero-bubble step ({args.microbatches} microbatches, latency"
+        f" {args.latency:g}; 1.00 = no bubble), costed by matmul FLOPs | by CPU time (min)"
     )
-    print(
-        f"{'ckpt':>5} {'tokens':>6} {'ranks':>5} {'schedule':<13} | "
-        + " ".join(f"{p:>14}" for p in policies)
-    )
+    widths = [max(8, len(p)) for p in policies]
+    names = " ".join(f"{p:>{w}}" for p, w in zip(policies, widths, strict=True))
+    print(f"{'ckpt':>5} {'tokens':>6} {'ranks':>5} {'schedule':<13} | {names} | {names}")
     notes: dict[str, int] = {}
+
+    def cells(row: Mapping[str, float | str]) -> str:
+        out = []
+        for policy, width in zip(policies, widths, strict=True):
+            value = row.get(policy, row.get("*", "-"))
+            if isinstance(value, str):  # a failure: numbered, spelled out below the table
+                out.append(f"{f'[{notes.setdefault(value, len(notes) + 1)}]':>{width}}")
+            else:
+                out.append(f"{value:{width}.3f}")
+        return " ".join(out)
+
     for case in cases:
-        costs = {"FLOPs": case.flops, "CPU min": case.cpu_min}[which]
         for ranks in args.ranks:
-            for schedule, row in makespans(costs, ranks, args.microbatches, args.latency).items():
-                cells = []
-                for policy in policies:
-                    value = row.get(policy, row.get("*", "-"))
-                    if isinstance(value, str):
-                        value = f"[{notes.setdefault(value, len(notes) + 1)}]"
-                        cells.append(f"{value:>14}")
-                    else:
-                        cells.append(f"{value:14.3f}")
-                print(
-                    f"{case.mode:>5} {case.tokens:>6} {ranks:>5} {schedule:<13} | "
-                    + " ".join(cells)
-                )
+            by_flops = makespans(case.flops, ranks, args.microbatches, args.latency)
+            by_cpu = makespans(case.cpu_min, ranks, args.microbatches, args.latency)
+            for schedule in by_flops:
+                label = f"{case.mode:>5} {case.tokens:>6} {ranks:>5} {schedule:<13}"
+                print(f"{label} | {cells(by_flops[schedule])} | {cells(by_cpu[schedule])}")
     for note, number in notes.items():
         print(f"  [{number}] {note}")
 
@@ -571,8 +572,7 @@ def main() -> None:
             cpu_min, cpu_median = measure_stage(stage, tokens, False, args.reps)
             cases.append(Case(mode, tokens, flops, cpu_min, cpu_median))
     print_costs(cases, policies)
-    print_makespans(cases, policies, args, "FLOPs")
-    print_makespans(cases, policies, args, "CPU min")
+    print_makespans(cases, policies, args)
 
 
 if __name__ == "__main__":
