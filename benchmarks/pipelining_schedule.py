@@ -7,8 +7,8 @@ Run: PYTHONPATH=. python benchmarks/pipelining_schedule.py [--d 128] [--tokens 3
    Linear 4d->d, residual; every block under ``torch.utils.checkpoint`` with ``--checkpoint
    full``, or selective AC saving the matmul outputs, torchtitan's "op" policy, with ``sac``)
    is measured per split policy: its forward F, the split's B (torch's I: input gradients)
-   and W (weight gradients), and a fused backward. Once in matmul FLOPs
-   (``torch.utils.flop_counter.FlopCounterMode``), once in thread CPU time (min and median
+   and W (weight gradients), and a fused backward. Once in matmul FLOPs (FlopCounterMode's
+   count, ``torch.utils.flop_counter.flop_registry``), once in thread CPU time (min and median
    over ``--reps`` repetitions, the policies interleaved in a rotating order, one intra-op
    thread, fp32). The policies (``split_policies``):
 
@@ -20,12 +20,13 @@ Run: PYTHONPATH=. python benchmarks/pipelining_schedule.py [--d 128] [--tokens 3
      (2 * tokens * in * out per Linear) and B the rest. It is a model, not code: its CPU
      time is the fused time split in the same proportion as its FLOPs.
 
-2. Makespans. torch builds the per-rank action order of Schedule1F1B,
-   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (``torch_order``:
+2. Makespans. torch builds the per-rank action order of ScheduleInterleavedZeroBubble,
+   ScheduleZBVZeroBubble, ScheduleDualPipeV and 1F1B (``SCHEDULES`` says why 1F1B's is
+   ScheduleInterleaved1F1B's with one stage per rank) (``torch_order``:
    the schedule objects are made on stand-in stages, as torch's own test_schedule.py does, so
    no process group is needed), and ``simulate`` runs it: each rank runs its actions in order;
    an action starts when its rank is free and its dependency has finished, plus ``--latency``
-   when that dependency ran on another rank: F of stage s waits for F of stage s-1 (same
+   (in units of one stage's F) when that dependency ran on another rank: F of stage s waits for F of stage s-1 (same
    microbatch), B/I of stage s for B/I of stage s+1 (the last stage's for its own F), W for
    its own I. DualPipeV's overlapped F+B pairs run one after the other (CPU compute does not
    overlap). The model has ``2 * ranks`` stages' worth of blocks whatever the schedule: the
@@ -446,8 +447,12 @@ class Case:
 def makespans(
     costs: StageCosts, ranks: int, microbatches: int, latency: float
 ) -> dict[str, dict[str, float | str]]:
-    """Per schedule, per policy: the simulated step over the ideal zero-bubble step."""
+    """Per schedule, per policy: the simulated step over the ideal zero-bubble step.
+
+    ``latency`` is in units of one stage's forward, so one value means the same for both costings.
+    """
     ideal = microbatches * 2 * (costs.forward + costs.fused)
+    latency *= costs.forward
     table: dict[str, dict[str, float | str]] = {}
     for schedule, (class_name, per_rank) in SCHEDULES.items():
         try:
@@ -457,9 +462,8 @@ def makespans(
             continue
         row: dict[str, float | str] = {}
         splits = any(op.kind in ("I", "W") for ops in order.values() for op in ops)
-        for (
-            policy
-        ) in costs.split:  # an order of full backwards runs the fused one whatever the policy
+        # an order of full backwards runs the fused one whatever the policy
+        for policy in costs.split:
             kinds = costs.kinds(policy if splits else "fused", scale=2 / per_rank)
             try:
                 row[policy] = (
@@ -541,7 +545,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument(
-        "--latency", type=float, default=0.0, help="per cross-rank dependency, in the costs' unit"
+        "--latency",
+        type=float,
+        default=0.0,
+        help="per cross-rank dependency, in units of one stage's forward",
     )
     parser.add_argument("--reps", type=int, default=15, help="CPU-time repetitions")
     args = parser.parse_args()
