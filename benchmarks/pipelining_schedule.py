@@ -301,7 +301,7 @@ def split_policies() -> dict[str, Split]:
     """
     gs_b, gs_w = gradsafe_split.stage_backward_input, gradsafe_split.stage_backward_weight
     keyword = next((p for p in inspect.signature(gs_b).parameters if "policy" in p), None)
-    values = _choices(typing.get_type_hints(gs_b).get(keyword)) if keyword else []
+    values = _choices(typing.get_type_hints(gs_b)[keyword]) if keyword else []
     policies = {
         f"gradsafe[{getattr(v, 'value', v)}]": Split(functools.partial(gs_b, **{keyword: v}), gs_w)
         for v in values
