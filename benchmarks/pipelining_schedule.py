@@ -301,12 +301,13 @@ def split_policies() -> dict[str, Split]:
     """
     gs_b, gs_w = gradsafe_split.stage_backward_input, gradsafe_split.stage_backward_weight
     keyword = next((p for p in inspect.signature(gs_b).parameters if "policy" in p), None)
-    values = _choices(typing.get_type_hints(gs_b)[keyword]) if keyword else []
-    policies = {
-        f"gradsafe[{getattr(v, 'value', v)}]": Split(functools.partial(gs_b, **{keyword: v}), gs_w)
-        for v in values
-        if keyword
-    } or {"gradsafe": Split(gs_b, gs_w)}
+    policies: dict[str, Split] = {}
+    if keyword is not None:
+        for value in _choices(typing.get_type_hints(gs_b)[keyword]):
+            b = functools.partial(gs_b, **{keyword: value})
+            policies[f"gradsafe[{getattr(value, 'value', value)}]"] = Split(b, gs_w)
+    if not policies:
+        policies["gradsafe"] = Split(gs_b, gs_w)
     policies["torch"] = Split(torch_split.stage_backward_input, torch_split.stage_backward_weight)
     policies["fused"] = FUSED
     return policies
