@@ -29,6 +29,8 @@ __all__ = ["PatchPlan", "Report", "Row", "run"]
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One hazard's reproduction on the installed torch, without and with gradsafe."""
+
     hazard: str
     capability: str
     upstream_source: str
@@ -76,6 +78,8 @@ _NEXT_STEPS = (
 
 @dataclasses.dataclass(frozen=True)
 class Report:
+    """What ``gradsafe doctor`` found: one row per hazard and the patches on this torch."""
+
     torch_version: str
     machine: str
     rows: tuple[Row, ...]
@@ -87,6 +91,7 @@ class Report:
         return bool(self.rows) and all(row.gradsafe.correct is True for row in self.rows)
 
     def as_json(self) -> dict[str, object]:
+        """The whole report (cells uncut, every slot each patch replaces) for ``--json``."""
         return {
             "torch": self.torch_version,
             "machine": self.machine,
