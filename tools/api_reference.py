@@ -106,6 +106,19 @@ def _signature(obj: object) -> str:
     return str(sig.replace(parameters=params, return_annotation=_annotation(sig.return_annotation)))
 
 
+def _class_signature(cls: type) -> str:
+    # Only a constructor gradsafe defines: the signature Python derives for a
+    # Protocol or an exception's inherited builtin constructor differs between
+    # Python releases.
+    if getattr(cls, "_is_protocol", False):
+        return ""
+    own = any(
+        c.__module__.startswith("gradsafe") and ("__init__" in vars(c) or "__new__" in vars(c))
+        for c in cls.__mro__
+    )
+    return _signature(cls) if own else ""
+
+
 def _members(cls: type) -> list[str]:
     lines = []
     for name, member in vars(cls).items():
@@ -134,7 +147,7 @@ def _describe(module: str, name: str, obj: object) -> list[str]:
         lines += [f"enum `{name}`: {values}", "", _doc(obj), ""]
     elif inspect.isclass(obj):
         kind = "exception" if issubclass(obj, BaseException) else "class"
-        lines += [f"{kind} `{name}{_signature(obj)}`", "", _doc(obj), ""]
+        lines += [f"{kind} `{name}{_class_signature(obj)}`", "", _doc(obj), ""]
         members = _members(obj)
         if members:
             lines += ["Members:", "", *members, ""]
