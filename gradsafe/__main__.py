@@ -42,7 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "those capabilities). Exit status 0: gradsafe gets "
         "every row right; 1: some row is wrong or could not be measured.",
     )
-    doctor.add_argument("--json", action="store_true", help="print the full report as JSON")
+    doctor.add_argument(
+        "--json",
+        action="store_true",
+        help="print the full report as JSON (whole cells, every torch slot each patch replaces)",
+    )
+    doctor.add_argument(
+        "--verbose",
+        action="store_true",
+        help="list every torch slot each patch replaces instead of their count",
+    )
     doctor.add_argument(
         "--only",
         action="append",
@@ -53,7 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wgrad is a library custom kernels call, the others are gradsafe.patch() names",
     )
     verify_cli.add_parser(commands)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse hands a subcommand's unrecognised arguments back to the
+        # top-level parser, whose usage line is not the one the user needs.
+        commands.choices.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     if args.command is None:
         parser.print_help()
         return 2
@@ -66,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report.as_json(), indent=2))
     else:
-        print(report.render(doctor_module.terminal_width()))
+        print(report.render(doctor_module.terminal_width(), verbose=args.verbose))
     return 0 if report.ok else 1
 
 

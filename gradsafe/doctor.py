@@ -29,12 +29,19 @@ __all__ = ["PatchPlan", "Report", "Row", "run"]
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One hazard's reproduction on the installed torch, without and with gradsafe."""
+
     hazard: str
     capability: str
     upstream_source: str
     upstream: Outcome
     gradsafe: Outcome
     seconds: float
+
+    @property
+    def hazard_here(self) -> bool:
+        """Upstream is not right on this torch (wrong, a crash, or not measured)."""
+        return self.upstream.correct is not True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +57,29 @@ class PatchPlan:
             return f"{self.name}: skipped: {self.skipped}"
         return f"{self.name}: replaces {', '.join(self.replaces)}"
 
+    def short(self) -> str:
+        """One line: the reason for a skip, or how many torch slots it replaces."""
+        if self.skipped is not None:
+            return str(self)
+        slots = len(self.replaces)
+        return f"{self.name}: replaces {slots} torch slot{'s' * (slots != 1)}"
+
+
+#: What the doctor says to do once every row is right with gradsafe.
+_NEXT_STEPS = (
+    "Next:",
+    "  1. apply it around your training loop:  with gradsafe.patch(): train()",
+    "     (or gradsafe.patch() once at start-up)",
+    "  2. check your own model:  gradsafe verify PACKAGE.MODULE:FACTORY  (docs/verify.md)",
+    "  3. a symptom (wrong ZBV gradients, NaN after the first step, ...) to its fix:",
+    "     docs/troubleshooting.md",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Report:
+    """What ``gradsafe doctor`` found: one row per hazard and the patches on this torch."""
+
     torch_version: str
     machine: str
     rows: tuple[Row, ...]
@@ -64,20 +91,27 @@ class Report:
         return bool(self.rows) and all(row.gradsafe.correct is True for row in self.rows)
 
     def as_json(self) -> dict[str, object]:
+        """The whole report (cells uncut, every slot each patch replaces) for ``--json``."""
         return {
             "torch": self.torch_version,
             "machine": self.machine,
             "ok": self.ok,
-            "rows": [dataclasses.asdict(row) for row in self.rows],
+            "rows": [
+                {**dataclasses.asdict(row), "hazard_here": row.hazard_here} for row in self.rows
+            ],
             "patches": [dataclasses.asdict(p) for p in self.patches],
         }
 
-    def render(self, width: int | None = None) -> str:
-        """The report as a table; cells are cut to fit ``width`` columns (None: never cut)."""
+    def render(self, width: int | None = None, *, verbose: bool = False) -> str:
+        """The report as a table, then what to do next.
+
+        Cells are cut to fit ``width`` columns (None: never cut). ``verbose``
+        lists every torch slot each patch replaces instead of their count.
+        """
         marks = _footnote_marks(self.rows)
         header = ("hazard", "upstream", "with gradsafe")
         body = [
-            (r.hazard, marks.get(r.upstream_source, "") + r.upstream.label, r.gradsafe.label)
+            (r.hazard, marks.get(r.upstream_source, "") + _upstream_cell(r), r.gradsafe.label)
             for r in self.rows
         ]
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(3)]
@@ -98,15 +132,40 @@ class Report:
             lines.append(
                 "(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)"
             )
-        lines += ["", "Patches on this torch (what gradsafe.patch() does here):"]
-        lines += [f"  {p}" for p in self.patches] or [
+        lines += [
+            "",
+            "Patches on this torch (what gradsafe.patch() does here"
+            + ("):" if verbose else "; --verbose lists the slots):"),
+        ]
+        lines += [f"  {p if verbose else p.short()}" for p in self.patches] or [
             "  none: the selected capabilities have no patch"
         ]
-        verdict = "gradsafe removes every hazard above" if self.ok else "NOT OK: see WRONG/n/a rows"
-        return "\n".join([*lines, "", verdict])
+        return "\n".join([*lines, "", *self._closing()])
+
+    def _closing(self) -> list[str]:
+        if not self.ok:
+            return [
+                "NOT OK: the rows whose 'with gradsafe' cell is not 'right' are hazards gradsafe "
+                "does not remove on this torch (or could not measure); `gradsafe doctor --json` "
+                "has the whole cells. Please report them with that output.",
+                "Symptoms and fixes: docs/troubleshooting.md",
+            ]
+        hazards = sum(row.hazard_here for row in self.rows)
+        verdict = f"gradsafe removes every hazard above ({hazards} on this torch"
+        quiet = len(self.rows) - hazards
+        if quiet:
+            verdict += (
+                f"; {quiet} row{'s' * (quiet != 1)} not a hazard here, right with gradsafe too"
+            )
+        return [verdict + ").", "", *_NEXT_STEPS]
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _upstream_cell(row: Row) -> str:
+    label = row.upstream.label
+    return label.replace("right", "right, not a hazard here", 1) if not row.hazard_here else label
 
 
 def _footnote_marks(rows: Sequence[Row]) -> dict[str, str]:

@@ -84,7 +84,9 @@ def test_json_is_complete(fake_table: list[Check]) -> None:
         "upstream",
         "gradsafe",
         "seconds",
+        "hazard_here",
     }
+    assert [row["hazard_here"] for row in data["rows"]] == [False, True, True]
     assert data["rows"][2]["upstream_source"] == "model of another library's policy"
 
 
@@ -97,6 +99,42 @@ def test_table_fits_the_width_and_labels_modelled_upstreams(fake_table: list[Che
     assert "* upstream column: model of another library's policy" in narrow
     wide = report.render(None)
     assert _LONG in wide
+
+
+def test_rows_right_upstream_are_not_a_hazard_here_and_not_counted(
+    fake_table: list[Check],
+) -> None:
+    report = doctor.run()
+    assert [r.hazard_here for r in report.rows] == [False, True, True]
+    fine_row = next(line for line in str(report).splitlines() if line.startswith("fine "))
+    assert "right, not a hazard here" in fine_row
+    assert "not a hazard here" not in "".join(
+        line for line in str(report).splitlines() if line.startswith(("crashy", "other"))
+    )
+    assert "2 on this torch; 1 row not a hazard here" in str(report)
+
+
+def test_closing_lines_give_the_next_step(fake_table: list[Check]) -> None:
+    closing = str(doctor.run()).split("gradsafe removes every hazard above")[1]
+    assert "with gradsafe.patch(): train()" in closing
+    assert "gradsafe verify PACKAGE.MODULE:FACTORY" in closing
+    assert "docs/troubleshooting.md" in closing
+    fake_table.append(Check("bad", "pipelining", _raise, _raise))
+    failed = str(doctor.run())
+    assert "NOT OK" in failed and "docs/troubleshooting.md" in failed
+    assert "gradsafe verify" not in failed  # no next step on a torch gradsafe gets wrong
+
+
+def test_patch_slots_are_counted_and_listed_only_verbose() -> None:
+    slots = ("torch.distributed.pipelining._backward.stage_backward_input", "torch.x.y")
+    plans = (doctor.PatchPlan("pipelining", slots, None), doctor.PatchPlan("dtensor", (), "why"))
+    row = doctor.Row("h", "pipelining", "installed torch", Outcome(False, ""), Outcome(True, ""), 0)
+    report = doctor.Report("2.x", "cpu", (row,), plans)
+    assert slots[0] not in report.render()
+    assert "pipelining: replaces 2 torch slots" in report.render()
+    assert "dtensor: skipped: why" in report.render()
+    assert all(slot in report.render(verbose=True) for slot in slots)
+    assert report.as_json()["patches"][0]["replaces"] == slots  # --json keeps them whole
 
 
 def _value() -> str:
@@ -170,6 +208,19 @@ def test_cli_help_and_version_are_plain_text() -> None:
     assert version.returncode == 0 and version.stdout.strip() == f"gradsafe {gradsafe.__version__}"
 
 
+@pytest.mark.parametrize("command", ["doctor", "verify"])
+def test_a_subcommands_usage_error_shows_that_subcommands_usage(command: str) -> None:
+    proc = _cli(command, "--bogus")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"usage: gradsafe {command} "), proc.stderr
+    assert f"gradsafe {command}: error: unrecognized arguments: --bogus" in proc.stderr
+
+
+def test_cli_verbose_lists_the_torch_slots_replaced() -> None:
+    proc = _cli("doctor", "--only", "cuda_graphs", "--verbose")
+    assert "torch.cuda.graphs.make_graphed_callables" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_cli_without_a_command_prints_the_help_and_exits_2() -> None:
     proc = _cli()
     assert proc.returncode == 2, proc.stderr
@@ -207,3 +258,13 @@ def test_runs_without_numpy_and_says_nothing_about_it() -> None:
     crashed = [r["hazard"] for r in data["rows"] if "numpy" in r["gradsafe"]["detail"].lower()]
     assert not crashed
     assert data["ok"], data["rows"]
+
+
+def test_status_marks_the_testing_patch_patch_does_not_take() -> None:
+    import gradsafe
+
+    status = gradsafe.status()
+    testing = [p.name for p in status.patches if p.testing]
+    assert testing == ["cuda_graphs_emulation"]
+    assert not set(testing) & set(gradsafe.patch_names())
+    assert "cuda_graphs_emulation (gradsafe.testing, not a patch() name):" in str(status)

@@ -1,12 +1,17 @@
 """Print the README's compatibility table from ``gradsafe doctor --json`` run on several torch installs.
 
 Usage: ``python tools/compat_table.py PYTHON [PYTHON ...]`` where each PYTHON is an
-interpreter with a torch installed (e.g. each nox session's venv); gradsafe is
-taken from this checkout. Every cell is what that interpreter's doctor measured.
+interpreter with a torch installed, one venv per torch release, e.g.
+``python tools/compat_table.py .venv211/bin/python .venv/bin/python`` after
+``python -m venv .venv211 && .venv211/bin/pip install torch==2.11.0 -e .``
+(nox deletes its session venvs); gradsafe is taken from this checkout.
+Every cell is what that interpreter's doctor measured. Without an interpreter
+it prints its usage and exits with status 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -64,5 +69,15 @@ def main(pythons: list[str]) -> None:
     print("Each cell: the installed torch's result → gradsafe's result, from `gradsafe doctor`.")
 
 
+def parse_args(argv: list[str]) -> list[str]:
+    parser = argparse.ArgumentParser(
+        prog="python tools/compat_table.py",
+        description="Print the README's compatibility table: one column per PYTHON, each an "
+        "interpreter with a torch installed (gradsafe is taken from this checkout).",
+    )
+    parser.add_argument("pythons", metavar="PYTHON", nargs="+")
+    return list(parser.parse_args(argv).pythons)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(parse_args(sys.argv[1:]))

@@ -381,4 +381,5 @@ class PatchRegistry:
             targets=targets,
             skipped=skipped,
             conflicts=tuple(entry.conflicts),
+            testing=entry.patch.name not in self._public,
         )

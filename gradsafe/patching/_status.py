@@ -38,6 +38,9 @@ class PatchState:
     ``"skipped"`` (does not apply to this torch: ``skipped`` says why),
     ``"idle"`` (planned, not applied: ``targets`` are what applying replaces) or
     ``"unplanned"`` (never applied or planned in this process, so not probed).
+    ``testing`` marks a patch only :mod:`gradsafe.testing` applies (the CPU
+    CUDA-graph emulator, ``cuda_graphs_emulation``): listed so that what it
+    replaces and any conflict show, but not a name ``gradsafe.patch()`` takes.
     """
 
     name: str
@@ -47,6 +50,7 @@ class PatchState:
     targets: tuple[TargetState, ...]
     skipped: str | None
     conflicts: tuple[str, ...]
+    testing: bool = False
 
     @property
     def active(self) -> bool:
@@ -59,7 +63,8 @@ class PatchState:
             "idle": "not applied",
             "unplanned": "not applied, not probed yet in this process",
         }[self.state]
-        lines = [f"{self.name}: {head}"] + [f"    {t}" for t in self.targets]
+        name = f"{self.name} (gradsafe.testing, not a patch() name)" if self.testing else self.name
+        lines = [f"{name}: {head}"] + [f"    {t}" for t in self.targets]
         lines += [f"    conflict: {c}" for c in self.conflicts]
         return "\n".join(lines)
 

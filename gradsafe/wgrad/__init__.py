@@ -15,6 +15,8 @@ shows a kernel built on it; :class:`gradsafe.testing.MegatronStyleDDP` tests
 one under Megatron-core's hooks without Megatron.
 """
 
+import warnings
+
 from gradsafe.wgrad._policy import dummy_wgrad, wgrad_return
 from gradsafe.wgrad._store import (
     GradReadyHook,
@@ -38,3 +40,16 @@ __all__ = [
     "register_megatron_hook",
     "wgrad_return",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The 0.1 name of WeightGradClosure, kept with a warning (CHANGELOG.md, deprecation policy).
+    if name == "WgradClosure":
+        warnings.warn(
+            "gradsafe.wgrad.WgradClosure was renamed WeightGradClosure in gradsafe 0.2.0; the old "
+            "name is removed in 0.4.0",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return WeightGradClosure
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,9 +24,12 @@ same rule. The hook then adds exactly the gradients that ``main_grad`` lacks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -37,6 +40,7 @@ from gradsafe.wgrad.markers import mark_hook_keeps_no_gradient
 __all__ = ["dummy_wgrad", "wgrad_return"]
 
 _FLAG = "grad_added_to_main_grad"
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
@@ -117,6 +121,30 @@ def flag_grad_written(param: torch.Tensor) -> None:
         setattr(param, _FLAG, False)
 
 
+def _renamed_keyword(old: str, new: str) -> Callable[[_F], _F]:
+    """Accept ``old=`` as ``new=`` with a DeprecationWarning (CHANGELOG.md, deprecation policy)."""
+
+    def wrap(func: _F) -> _F:
+        @functools.wraps(func)
+        def wrapper(*args: object, **kwargs: object) -> object:
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{func.__name__}() got {old}= and {new}=; pass only {new}=")
+                warnings.warn(
+                    f"{func.__name__}({old}=) was renamed {new}= in gradsafe 0.2.0; the old "
+                    "keyword is removed in 0.4.0",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap
+
+
+@_renamed_keyword("accumulated_into_main_grad", "accumulate_into_main_grad")
 def wgrad_return(
     param: torch.Tensor,
     wgrad: torch.Tensor | None,
