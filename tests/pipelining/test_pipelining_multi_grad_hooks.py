@@ -85,11 +85,11 @@ _SPANS = {
 
 
 def _run(
-    split: bool, mode: str, span: str, grads_held: bool, microbatches: int
+    split: bool, mode: str, span: str, grads_held: bool, microbatches: int, device: str = "cpu"
 ) -> list[tuple[Any, ...]]:
     """Per hook call: what it was given, and every parameter's ``.grad`` at that moment."""
     torch.manual_seed(0)
-    model = _stack(3, 4)
+    model = _stack(3, 4).to(device)
     params = list(model.parameters())
     if grads_held:
         for p in params:
@@ -106,7 +106,7 @@ def _run(
         )
 
     torch.autograd.graph.register_multi_grad_hook(_SPANS[span](params), hook, mode=mode)  # type: ignore[arg-type]
-    xs = [torch.randn(2, 4, requires_grad=True) for _ in range(microbatches)]
+    xs = [torch.randn(2, 4, device=device, requires_grad=True) for _ in range(microbatches)]
     losses = [model(x).pow(2).sum() for x in xs]
     if not split:
         for loss in losses:
@@ -142,6 +142,18 @@ def test_multi_grad_hook_over_parameters_fires_as_in_a_fused_backward(
     is at that moment of a fused backward (which parameters already hold this microbatch's)."""
     fused = _run(False, mode, span, grads_held, microbatches)
     _assert_same_calls(_run(True, mode, span, grads_held, microbatches), fused)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("grads_held", [False, True], ids=["grad None", "grad held"])
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_over_cuda_parameters_fires_as_in_a_fused_backward(
+    mode: str, grads_held: bool
+) -> None:
+    """On CUDA the accumulators, and the hook, run on autograd's device thread."""
+    fused = _run(False, mode, "every parameter", grads_held, 2, "cuda")
+    _assert_same_calls(_run(True, mode, "every parameter", grads_held, 2, "cuda"), fused)
 
 
 @pytest.mark.usefixtures("fp64")
