@@ -17,6 +17,7 @@ from typing import Union, cast, overload
 import torch
 from typing_extensions import TypeAlias
 
+from gradsafe.cuda_graphs._aliasing import refuse_shared_sample_args
 from gradsafe.cuda_graphs._collector import no_collection_during_capture
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
 from gradsafe.cuda_graphs._structure import find_graphed_site, graphed_inputs
@@ -114,7 +115,11 @@ def make_graphed_callables(
     Raises:
         UnsupportedTorchError: the installed torch builds graphed callables in
             a shape gradsafe does not recognise (never silently unsafe).
-        ValueError: ``ownership`` is not one of ``"auto"``, ``"always"``, ``"never"``.
+        ValueError: ``ownership`` is not one of ``"auto"``, ``"always"``, ``"never"``;
+            or two tensors of one callable's sample arguments (or one and a parameter of
+            its module) share memory, e.g. ``sample_args=(h, h)``: upstream would give that
+            tensor its gradient twice (refused before anything runs, in every mode; pass
+            a separate sample tensor for each).
 
     Example (two microbatches accumulate: 3 + 6, where upstream's static
     buffer would give 6 + 6)::
@@ -144,6 +149,15 @@ def make_graphed_callables(
             "was set to gradsafe's function outside gradsafe.patch(); restore torch's function "
             "and use gradsafe.patch('cuda_graphs') instead."
         )
+    # Before torch runs anything (its warm-up runs the callables), in every
+    # ownership mode: upstream's gradient there is wrong, not just unowned.
+    refuse_shared_sample_args(
+        callables if isinstance(callables, tuple) else (callables,),
+        cast(
+            "tuple[tuple[object, ...], ...]",
+            sample_args if isinstance(callables, tuple) else (sample_args,),
+        ),
+    )
     with no_collection_during_capture():
         graphed = cast(
             "ModuleOrCallable | tuple[ModuleOrCallable, ...]",

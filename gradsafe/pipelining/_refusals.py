@@ -22,6 +22,8 @@ from gradsafe.pipelining._graph import StageGraph
 from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, describe
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
+    DONATED_BUFFERS_FROM_CACHE,
+    backward_from_cache,
     donates_buffers,
     engine_error,
     fsdp_counterparts,
@@ -105,7 +107,9 @@ def refuse_weight_side(graph: StageGraph, input_nodes: set[Node]) -> None:
         # Only a custom Function's node (a compiled block's) may donate buffers.
         for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes):
             if donates_buffers(node):
-                raise SplitBackwardError(DONATED_BUFFERS)
+                raise SplitBackwardError(
+                    DONATED_BUFFERS_FROM_CACHE if backward_from_cache(node) else DONATED_BUFFERS
+                )
     suspects = {kind for kind in kinds if refusable_kind(kind)}
     if not suspects:
         return
@@ -170,6 +174,10 @@ def refuse_engine_error(exc: RuntimeError) -> None:
     if kind == "donated_buffer":  # a compiled block without parameters
         raise SplitBackwardError(
             DONATED_BUFFERS
+            + " If no backward of it ran in this process, that backward was loaded from "
+            "AOTAutograd's on-disk cache (under TORCHINDUCTOR_CACHE_DIR) as an earlier process "
+            "compiled it: run with TORCHINDUCTOR_AUTOGRAD_CACHE=0 or delete that cache entry, or "
+            "set donated_buffer = False as above."
             + " (Custom backwards that ran before it in B may have had side effects.)"
         ) from exc
     if kind == "reentrant_checkpoint":  # on the input side: the weight side is refused before

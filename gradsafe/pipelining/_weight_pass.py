@@ -5,7 +5,11 @@ on the gradient that arrived at them in B), the weight-only nodes below them,
 and the leaves' gradient accumulators. It falls into *components*: weight-only
 nodes and accumulators joined by weight-only edges (a Linear's ``w.t()`` node
 and ``w``'s accumulator; a tied weight's transforms and its accumulator),
-merged where one ``register_multi_grad_hook`` spans several leaves. A
+merged where one mode-``"all"`` ``register_multi_grad_hook`` spans several
+leaves (it sees all their gradients at once; a fused backward holds them
+all too, in its buffer, until the last arrives). A mode-``"any"`` one does
+not merge them: it fires in the first delivery to reach one of its leaves
+and is silent in W's later ones (:func:`fired_once_across`). A
 component's gradients are final once every intermediate sending into it has
 been called.
 
@@ -36,18 +40,21 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
+    MultiGradHook,
     apply_function,
     call_node,
     deferred_callbacks,
+    fired_once_across,
     grad_target,
-    multi_grad_hook_cells,
+    multi_grad_hooks,
     queue_callback,
     run_backward,
     silenced_tensor_hooks,
@@ -459,16 +466,33 @@ def _components(
         for child, _ in node.next_functions:
             if child is not None:
                 union(node, child)
-    # One multi-grad hook over several leaves fires once per engine backward
-    # that reaches them: deliver them together, as a fused backward does.
-    by_cell: dict[int, Node] = {}
+    # A mode-"all" multi-grad hook over several leaves fires once per engine
+    # backward, with the gradients that backward gave them: deliver them
+    # together, as a fused backward does.
+    by_key: dict[int, Node] = {}
     for node, tensor in zip(leaves, leaf_tensors):
-        for cell in multi_grad_hook_cells(tensor):
-            other = by_cell.setdefault(cell, node)
-            if other is not node:
-                union(other, node)
+        for hook in multi_grad_hooks(tensor):
+            if hook.mode == "all":
+                other = by_key.setdefault(hook.key, node)
+                if other is not node:
+                    union(other, node)
     # Most nodes point at their root already: find() only for the others.
     return {node: up if parent[up] is up else find(node) for node, up in tuple(parent.items())}
+
+
+def _spread_any_hooks(
+    component: dict[Node, Node], leaves: Sequence[Node], leaf_tensors: Sequence[torch.Tensor]
+) -> list[MultiGradHook]:
+    """The mode-"any" multi-grad hooks over leaves of more than one component."""
+    seen: dict[int, tuple[MultiGradHook, Node]] = {}
+    spread: dict[int, MultiGradHook] = {}
+    for node, tensor in zip(leaves, leaf_tensors):
+        for hook in multi_grad_hooks(tensor):
+            if hook.mode == "any":
+                first = seen.setdefault(hook.key, (hook, component[node]))[1]
+                if first is not component[node]:
+                    spread[hook.key] = hook
+    return list(spread.values())
 
 
 def deliver_as_ready(
@@ -509,6 +533,11 @@ def deliver_as_ready(
 
     deferred: list[Node] = []
     anchor = _ANCHOR
+    # A mode-"any" multi-grad hook over several components fires in the first
+    # delivery only: every delivery is rooted at this pass's marker too.
+    spread = _spread_any_hooks(component, leaves, leaf_tensors)
+    marker = torch.zeros((), requires_grad=True) if spread else None
+    marker_node = None if marker is None else get_gradient_edge(marker).node
 
     def deliver(ready: Sequence[Node]) -> None:
         roots: list[torch.Tensor | GradientEdge] = []
@@ -548,6 +577,9 @@ def deliver_as_ready(
                 )
             grads.append(anchor.one)
         del to_leaves
+        if marker_node is not None:
+            roots.append(GradientEdge(marker_node, 0))
+            grads.append(torch.zeros(()))  # the marker's, accumulated and never read
         # The graph is retained: a weight-only part may be shared with a later
         # backward (e.g. a weight transform computed once per step).
         run_backward(roots, grads)
@@ -558,7 +590,12 @@ def deliver_as_ready(
         # A gradient delivered to a `.grad` that is None becomes that `.grad`:
         # holding it until the end costs no memory, and one engine backward
         # for all such components costs less than one each. One added into a
-        # `.grad` already held is a second buffer: delivered at once.
+        # `.grad` already held is a second buffer: delivered at once. So is
+        # every component under a spread mode-"any" hook: it fires on the
+        # first gradient, as in a fused backward.
+        if marker_node is not None:
+            deliver(ready)
+            return
         for c in ready:  # loops, not any() over a generator: once per intermediate
             for leaf in members[c]:
                 if leaf_of[leaf].grad is not None:
@@ -580,7 +617,10 @@ def deliver_as_ready(
     # End-of-backward callbacks that hooks queue run, in a fused backward,
     # after every accumulator: W holds them through each component's pass and
     # queues them in one last pass.
-    with deferred_callbacks({*weight_nodes, *leaves}) as held:
+    with (
+        deferred_callbacks({*weight_nodes, *leaves}) as held,
+        fired_once_across(spread, marker_node) if marker_node is not None else nullcontext(),
+    ):
         for node, nr, grad, aliased in output_roots:
             add(node, nr, grad, aliased)
         for grad, target, target_nr, aliased in kept:

@@ -3,12 +3,19 @@
 AOTAutograd compiles a block's backward lazily, on its first run, and drops the
 buffer donation when that run keeps the graph (as B's does). A split is refused
 only where the installed torch would really refuse: a backward already compiled
-with donation, e.g. by a fused warm-up step.
+with donation, e.g. by a fused warm-up step, or loaded so from AOTAutograd's
+on-disk cache by a later process. Every test compiles into a cache directory of
+its own (TORCHINDUCTOR_CACHE_DIR), so no earlier run's entries decide it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +28,13 @@ from gradsafe.pipelining import (
 )
 
 pytestmark = pytest.mark.usefixtures("fp64")
+
+
+@pytest.fixture(autouse=True)
+def _own_compile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # inductor reads the variable at each use; dynamo's in-memory state is reset per test.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+
 
 _BACKENDS = [
     "aot_eager",
@@ -120,3 +134,69 @@ def test_block_warmed_up_by_a_fused_backward_is_refused_at_b_exactly_when_torch_
         stage_backward_input([out], [g], [x], [w1, w2])
     assert "already compiled" in str(info.value)
     assert x.grad is None and w1.grad is None and w2.grad is None
+
+
+_PROCESS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+    from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
+
+    torch.set_default_dtype(torch.float64)
+
+    def block(x, w):
+        return torch.tanh(x @ w.T) * 2
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    compiled = torch.compile(block, backend="inductor", fullgraph=True)
+    if sys.argv[1] == "warm-up":
+        compiled(x, w).sum().backward()  # fused: compiles the backward donating its buffers
+        w.grad = x.grad = None
+    try:
+        (dx,), handoff = stage_backward_input([compiled(x, w).sum()], None, [x], [w])
+    except SplitBackwardError as exc:
+        print("REFUSED", x.grad is None and w.grad is None, exc)
+        sys.exit(0)
+    stage_backward_weight([w], handoff)
+    want = torch.autograd.grad(block(x, w).sum(), [x, w])
+    torch.testing.assert_close(dx, want[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, want[1], rtol=1e-9, atol=1e-12)
+    print("EXACT")
+    """
+)
+
+
+def _process(cache: Path, first: str, **env: str) -> str:
+    """One process compiling the block into ``cache``: its report (REFUSED ... or EXACT)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PROCESS, first],
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="inductor on CPU needs a C++ compiler",
+)
+def test_donation_from_inductors_on_disk_cache_is_refused_naming_the_cache(tmp_path: Path) -> None:
+    """A process whose fused warm-up compiled the backward donating leaves that backward in
+    AOTAutograd's on-disk cache: a later process whose split runs the block first loads it and is
+    refused too, with a message naming the cache (no warm-up ran there), and is exact without
+    that cache."""
+    cache = tmp_path / "inductor-cache"
+    warmed = _process(cache, "warm-up")  # refused on CPU with 2.13 and 2.15, as docs say
+    assert warmed.startswith("REFUSED True") and "already compiled" in warmed, warmed
+    later = _process(cache, "split")
+    assert later.startswith("REFUSED True"), later
+    assert "on-disk cache" in later and "TORCHINDUCTOR_AUTOGRAD_CACHE=0" in later, later
+    assert "already compiled" not in later, later
+    assert _process(cache, "split", TORCHINDUCTOR_AUTOGRAD_CACHE="0") == "EXACT"

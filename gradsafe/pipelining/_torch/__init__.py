@@ -12,7 +12,8 @@ and :func:`missing_feature` reports it before the patch is applied:
 - ``RemovableHandle.hooks_dict_ref``: a node's Python post hooks, all in one
   dict (whether a user registered any besides gradsafe's);
 - the closures ``register_multi_grad_hook`` registers as tensor hooks (which
-  tensors one registration spans);
+  tensors one registration spans, its mode, and mode ``"any"``'s per-backward
+  record of whether it fired, stood in for while W delivers);
 - ``Variable._execution_engine.run_backward``: the engine's entry point,
   called directly for each component W delivers; and
   ``torch.autograd.graph._engine_run_backward``, what ``autograd.grad`` ends

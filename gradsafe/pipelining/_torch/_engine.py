@@ -23,6 +23,7 @@ from gradsafe.pipelining._torch._nodes import leaf_variable
 
 __all__ = [
     "DONATED_BUFFERS",
+    "DONATED_BUFFERS_FROM_CACHE",
     "EngineError",
     "apply_function",
     "backwards_spare",
@@ -377,6 +378,19 @@ DONATED_BUFFERS = (
     "step), so it can run only once, and a split backward keeps the graph from B for W. Set "
     "torch._functorch.config.donated_buffer = False before compiling, or let the split run the "
     "block's first backward (no parameter gradient has changed)."
+)
+
+#: The same, where the donating backward was loaded from torch.compile's on-disk cache.
+DONATED_BUFFERS_FROM_CACHE = (
+    "a torch.compile'd block in this stage had its backward loaded from AOTAutograd's on-disk "
+    "cache (under TORCHINDUCTOR_CACHE_DIR; by default a torchinductor_<user> directory in the "
+    "temporary directory) as an earlier process compiled it, donating its saved buffers (that "
+    "process's first backward of it did not keep the graph, e.g. a fused warm-up step), so it "
+    "can run only once, and a split backward keeps the graph from B for W. Set "
+    "torch._functorch.config.donated_buffer = False before compiling, or run without that "
+    "cache entry (TORCHINDUCTOR_AUTOGRAD_CACHE=0, or TORCHINDUCTOR_FX_GRAPH_CACHE=0, or delete "
+    "the cache directory) so that the split runs the block's first backward (no parameter "
+    "gradient has changed)."
 )
 
 #: The engine failures a split backward turns into errors naming their fix.

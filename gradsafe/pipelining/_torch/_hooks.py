@@ -3,7 +3,9 @@
 Private torch read here: ``Tensor._backward_hooks`` and
 ``Tensor._post_accumulate_grad_hooks``, ``nn.Module``'s backward-hook dicts
 (per module and global), ``RemovableHandle.hooks_dict_ref`` (a node's Python
-post hooks), and the closures ``register_multi_grad_hook`` registers.
+post hooks), and the closures ``register_multi_grad_hook`` registers (a
+mode-``"any"`` one's record of the backwards it fired in is stood in for while
+a W delivers its tensors in several engine backwards: :func:`fired_once_across`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
@@ -24,10 +26,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradsafe.pipelining._torch._engine import on_device_thread
 
 __all__ = [
+    "MultiGradHook",
+    "fired_once_across",
     "has_other_post_hooks",
     "module_backward_hook_dicts",
-    "multi_grad_hook_cells",
     "multi_grad_hook_codes",
+    "multi_grad_hooks",
     "multi_grad_hook_spans",
     "silenced_gradient_hooks",
     "silenced_tensor_hooks",
@@ -251,22 +255,119 @@ def has_other_post_hooks(handle: Any) -> bool:
     return hooks is not None and len(hooks) > 1
 
 
-def multi_grad_hook_cells(tensor: torch.Tensor) -> set[int]:
-    """Identities of the ``register_multi_grad_hook`` registrations that include ``tensor``.
+class MultiGradHook(NamedTuple):
+    """One ``register_multi_grad_hook`` registration, as a tensor's hook dict holds it."""
+
+    #: Identity of the registration: the lock cell its hooks share.
+    key: int
+    #: ``"any"`` where its closure is mode "any"'s (a per-backward record of whether it
+    #: fired), else ``"all"`` (also for a closure this torch shapes otherwise: the safe reading).
+    mode: Literal["all", "any"]
+    #: Mode "any": the cell holding that record; None for mode "all".
+    fired: Any
+
+
+def multi_grad_hooks(tensor: torch.Tensor) -> list[MultiGradHook]:
+    """The ``register_multi_grad_hook`` registrations that include ``tensor``.
 
     One registration puts one hook per tensor (the same function in mode
-    ``"any"``, closures over shared cells in mode ``"all"``); the cells they
-    close over identify the registration.
+    ``"any"``, closures over shared cells in mode ``"all"``); the lock cell
+    they close over identifies the registration.
     """
     hooks = tensor._backward_hooks
     if not hooks:
-        return set()
-    return {
-        id(cell)
-        for hook in hooks.values()
-        if getattr(hook, "__code__", None) in multi_grad_hook_codes()
-        for cell in getattr(hook, "__closure__", None) or ()
-    }
+        return []
+    found = []
+    for hook in hooks.values():
+        if getattr(hook, "__code__", None) not in multi_grad_hook_codes():
+            continue
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+        lock = cells.get("lock")
+        if lock is None:
+            continue
+        fired = cells.get("ran_hook")
+        found.append(MultiGradHook(id(lock), "all" if fired is None else "any", fired))
+    return found
+
+
+@contextlib.contextmanager
+def fired_once_across(hooks: Sequence[MultiGradHook], marker: Node) -> Iterator[None]:
+    """Make each mode-``"any"`` registration in ``hooks`` fire at most once across the engine
+    backwards whose graphs hold ``marker``, as it fires once in one fused backward.
+
+    Mode ``"any"`` records, per engine backward (graph task id), whether it
+    fired. W delivers a parameter group per engine backward and puts
+    ``marker`` (a node of its own) in each: for the duration, the record is a
+    stand-in that answers "fired" in a backward holding ``marker`` once the
+    registration fired in one of them, and is the registration's own record
+    in every other backward (another thread's, a fused one meanwhile).
+    Several W passes, on any threads, share one stand-in per registration;
+    the last to leave puts the record back.
+    """
+    entered: list[_FiredOnce] = []
+    state = _OnePass(marker)
+    try:
+        with _FIRED_LOCK:
+            for hook in hooks:
+                stand_in = _FIRED.get(hook.key)
+                if stand_in is None:
+                    stand_in = _FIRED[hook.key] = _FiredOnce(hook.key, hook.fired)
+                stand_in.passes.append(state)
+                entered.append(stand_in)
+        yield
+    finally:
+        with _FIRED_LOCK:
+            for stand_in in entered:
+                stand_in.passes.remove(state)
+                if not stand_in.passes:
+                    del _FIRED[stand_in.key]
+                    stand_in.cell.cell_contents = stand_in.own
+
+
+class _OnePass:
+    """One W's marker node, and the registrations that fired in one of its backwards (by stand-in)."""
+
+    __slots__ = ("fired", "marker")
+
+    def __init__(self, marker: Node) -> None:
+        self.marker = marker
+        self.fired: set[int] = set()
+
+    def runs_now(self) -> bool:
+        # True in a backward whose graph holds the marker (an accumulator W
+        # roots every delivery at, no other backward reaches it).
+        return bool(torch._C._will_engine_execute_node(self.marker))  # type: ignore[arg-type]
+
+
+class _FiredOnce:
+    """Stands in for a mode-``"any"`` registration's ``ran_hook`` record; see :func:`fired_once_across`.
+
+    The registration's hook reads ``ran_hook[graph task id]`` and sets it to
+    True, under its lock, then calls the user's function only if the read
+    was False.
+    """
+
+    def __init__(self, key: int, cell: Any) -> None:
+        self.key, self.cell, self.own = key, cell, cell.cell_contents
+        self.passes: list[_OnePass] = []
+        cell.cell_contents = self
+
+    def __getitem__(self, task: int) -> bool:
+        for one in tuple(self.passes):
+            if id(self) in one.fired and one.runs_now():
+                return True
+        return bool(self.own[task])
+
+    def __setitem__(self, task: int, value: bool) -> None:
+        for one in tuple(self.passes):
+            if one.runs_now():
+                one.fired.add(id(self))
+        self.own[task] = value
+
+
+# The stand-ins installed now, by registration (MultiGradHook.key).
+_FIRED: dict[int, _FiredOnce] = {}
+_FIRED_LOCK = threading.Lock()
 
 
 def multi_grad_hook_spans(tensors: Sequence[torch.Tensor]) -> dict[int, tuple[Node | None, ...]]:

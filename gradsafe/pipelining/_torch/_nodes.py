@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointFunction
 __all__ = [
     "call_node",
     "crashes_weight_only",
+    "backward_from_cache",
     "donates_buffers",
     "freed_storages",
     "grad_target",
@@ -342,6 +343,19 @@ def donates_buffers(node: Node) -> bool:
     from torch._functorch import config  # importable: the node came from AOTAutograd
 
     return bool(getattr(config, "donated_buffer", False))
+
+
+def backward_from_cache(node: Node) -> bool:
+    """Whether ``node``'s compiled backward was loaded from AOTAutograd's on-disk cache.
+
+    On a cache hit AOTAutograd loads the backward as an earlier process
+    compiled it (with that process's buffer donation) and records a
+    ``CachedAutogradLazyBackwardCompileInfo``; a backward compiled in this
+    process records an ``AutogradLazyBackwardCompileInfo``.
+    """
+    forward_cls = getattr(type(node), "_forward_cls", None)
+    info = getattr(forward_cls, "_lazy_backward_info", None)
+    return type(info).__name__ == "CachedAutogradLazyBackwardCompileInfo"
 
 
 def refusable_kind(kind: type) -> bool:
