@@ -8,6 +8,7 @@ delivers them through AccumulateGrad with the rest of W's gradients.
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.util
 import threading
@@ -332,3 +333,39 @@ def test_a_failing_closure_leaves_the_handoff_failed_and_names_the_kernel(exampl
     with pytest.raises(SplitBackwardError, match="delayed weight gradient.*no .grad changed"):
         stage_backward_weight([w], handoff)
     assert w.grad is None and handoff.state.value == "failed"
+
+
+@pytest.mark.parametrize("gemms_eager", [False, True], ids=["compiled", "linear-eager"])
+def test_compiled_block_w_share_is_zero_unless_its_gemms_stay_eager(
+    example, gemms_eager: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """AOTAutograd runs a region's backward as one node B runs whole: W gets none of its GEMMs;
+    a graph break around each Linear gives them back to W (docs/pipelining.md's table)."""
+    torch.manual_seed(0)
+    d = 16
+    ref = torch.nn.Sequential(
+        torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)
+    ).double()
+    block = copy.deepcopy(ref)
+    if gemms_eager:
+        for layer in block:
+            if isinstance(layer, torch.nn.Linear):
+                layer.forward = torch.compiler.disable(layer.forward)  # type: ignore[method-assign]
+    compiled = torch.compile(block, backend="aot_eager")
+    x, g = torch.randn(8, d, dtype=torch.float64), torch.randn(8, d, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(g)
+    xs = x.clone().requires_grad_()
+    y = compiled(xs)
+    params = list(block.parameters())
+    counter = example.MatmulFlops()
+    with counter:
+        counter.phase = "B"
+        (dx,), handoff = stage_backward_input(y, g, [xs], params)
+        counter.phase = "W"
+        stage_backward_weight(params, handoff)
+    b, w = counter.counts.get("B", 0), counter.counts.get("W", 0)
+    assert (w == b) if gemms_eager else (w == 0 < b)
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-12, atol=1e-15)
+    for p, q in zip(params, ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
