@@ -442,7 +442,7 @@ class WeightGradHandoff:
         nodes = (*(rec.node for rec in self._recorded), *self._weight_nodes)
         modified = None
         if self._kernels is not None and self._kernels.deferred is not None:
-            modified = self._kernels.deferred.refuse_modified_reads()
+            modified = self._kernels.deferred.modified_read()
         if modified is not None:
             raise SplitBackwardError(
                 f"W stopped before changing any parameter's gradient: {modified}, so W would "

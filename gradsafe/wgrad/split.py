@@ -111,7 +111,7 @@ class SplitWeightGradStore:
 class DeferredWeightGrads:
     """What the custom Functions of one B left for its W; :meth:`compute` runs it once.
 
-    Owned by the B->W hand-off, which calls :meth:`refuse_modified_reads`
+    Owned by the B->W hand-off, which calls :meth:`modified_read`
     before W changes anything and then :meth:`compute`. Dropped without
     :meth:`compute`, it warns: those weight gradients are missing from the step.
     """
@@ -134,7 +134,7 @@ class DeferredWeightGrads:
         """Every tensor a closure reads (what a closure's result may alias)."""
         return tuple(r.tensor for u in self._uses for r in u.reads)
 
-    def refuse_modified_reads(self) -> str | None:
+    def modified_read(self) -> str | None:
         """Why W must not run the closures (a read modified in place since B), or None."""
         for use in self._uses:
             for read in use.reads:
