@@ -369,3 +369,53 @@ def test_compiled_block_w_share_is_zero_unless_its_gemms_stay_eager(
     torch.testing.assert_close(dx, xr.grad, rtol=1e-12, atol=1e-15)
     for p, q in zip(params, ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"])
+def test_delayed_kernel_stages_are_exact_under_torchs_zero_bubble_schedules(  # type: ignore[no-untyped-def]
+    example, monkeypatch: pytest.MonkeyPatch, schedule: str
+) -> None:
+    """torch's own schedules (one rank, its two stages local) under gradsafe.patch("pipelining"):
+    every B records the kernels' weight parts and the schedule's W runs them, exactly."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    import gradsafe
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    recorded = []
+
+    def counting(ctx: object) -> Any:
+        store = split_wgrad_store(ctx)
+        recorded.append(store is not None)
+        return store
+
+    monkeypatch.setattr(example, "split_wgrad_store", counting)
+    torch.manual_seed(0)
+    mods = [example.Stage(8, 1) for _ in range(2)]
+    refs = [example.Stage(8, 1) for _ in range(2)]
+    for mod, ref in zip(mods, refs):
+        ref.load_state_dict(mod.state_dict())
+    x, target = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+
+    def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((y - t) ** 2).sum()
+
+    for xm, tm in zip(x.chunk(4), target.chunk(4)):
+        loss_fn(refs[1](refs[0](xm)), tm).backward()
+    recorded.clear()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with gradsafe.patch("pipelining"):
+            stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+            cls = getattr(schedules, schedule)
+            cls(stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False).step(x, target=target)
+    finally:
+        dist.destroy_process_group()
+    # Stage 1's B records for W (2 fused layers x 4 microbatches). Stage 0's input needs no
+    # gradient: torch's schedules run its backward fused (stage_backward), no store there.
+    assert recorded.count(True) == 8
+    for mod, ref in zip(mods, refs):
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
