@@ -419,3 +419,30 @@ def test_delayed_kernel_stages_are_exact_under_torchs_zero_bubble_schedules(  # 
     for mod, ref in zip(mods, refs):
         for p, q in zip(mod.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+
+
+def test_a_closure_returning_the_input_gradient_reaches_w_hooks_as_a_copy() -> None:
+    """A bias-like kernel (y = x + w) whose closure returns the incoming gradient itself, which B
+    also returned as the input gradient: a hook on w that modifies its argument in place must
+    not change the input gradient B handed on (as for built-in nodes, docs/pipelining.md Hooks)."""
+
+    class AddWeight(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # type: ignore[no-untyped-def, override]
+            ctx.w = w
+            return x + w
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+            store = split_wgrad_store(ctx)
+            store.record(ctx.w, lambda _: g, accumulate_into_main_grad=False, reads=(g,))
+            return g, None
+
+    w = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+    w.register_hook(lambda grad: grad.mul_(3))  # in place, returning the same tensor
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    (dx,), handoff = stage_backward_input(AddWeight.apply(x, w), g.clone(), [x], [w])
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(dx, g, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, 3 * g, rtol=0, atol=0)
