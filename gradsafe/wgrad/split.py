@@ -151,7 +151,7 @@ class DeferredWeightGrads:
 
         The unfused closures' gradients are summed; fused ones add into
         ``main_grad`` and contribute :func:`wgrad_return`'s dummy (or None). A
-        parameter's ``main_grad`` changes when its pair is yielded, not before.
+        parameter's ``main_grad`` changes only as its own pair is computed.
 
         Raises:
             RuntimeError: called twice, a closure's result of the wrong shape,
