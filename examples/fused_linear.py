@@ -10,12 +10,18 @@ Its backward computes the input gradient and then, for the weight, one of:
   ``register_wgrad_accumulation_and_reduce_hooks``, which is what Megatron-core's
   ``DistributedDataParallel`` with ``delay_wgrad_compute=True`` needs,
 
-and fills the weight slot with :func:`gradsafe.wgrad.wgrad_return`. A real
-kernel library replaces the matmuls with its GEMMs and keeps the rest.
+and fills the weight slot with :func:`gradsafe.wgrad.wgrad_return`. Under
+gradsafe's split backward (``gradsafe.pipelining.stage_backward_input`` /
+``stage_backward_weight``, what a zero-bubble schedule calls), the backward
+finds a store without being given one (:func:`gradsafe.wgrad.split_wgrad_store`)
+and records there: B computes only the input gradient and W the weight GEMM.
+A real kernel library replaces the matmuls with its GEMMs and keeps the rest.
 
 Run it (from the repository root): ``PYTHONPATH=. python examples/fused_linear.py``
 checks every configuration under :class:`gradsafe.testing.MegatronStyleDDP`
-against ``torch.nn.Linear`` and prints the largest difference.
+against ``torch.nn.Linear`` and prints the largest difference, then runs a
+stage of these layers under gradsafe's B and W and prints the share of the
+backward's matmul FLOPs that W does.
 """
 
 from __future__ import annotations
@@ -25,9 +31,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
+from gradsafe.pipelining import stage_backward_input, stage_backward_weight
 from gradsafe.testing import MegatronStyleDDP
-from gradsafe.wgrad import WeightGradStore, mark_delayed_wgrad, register_megatron_hook, wgrad_return
+from gradsafe.wgrad import (
+    WeightGradStore,
+    mark_delayed_wgrad,
+    register_megatron_hook,
+    split_wgrad_store,
+    wgrad_return,
+)
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -76,16 +91,19 @@ class _FusedLinearFunction(torch.autograd.Function):
             return None
 
         wgrad = None
-        if ctx.store is not None:
+        # A store given at forward wins; otherwise gradsafe's split B offers one
+        # (None anywhere else): either way the weight GEMM runs later, in W.
+        store = ctx.store if ctx.store is not None else split_wgrad_store(ctx)
+        if store is not None:
             # reads=: W refuses if x or the gradient changed in place since B (e.g. x
             # is a CUDA-graphed callable's output and the callable ran again).
-            ctx.store.record(weight, compute, accumulate_into_main_grad=ctx.fuse, reads=(x2, g2))
+            store.record(weight, compute, accumulate_into_main_grad=ctx.fuse, reads=(x2, g2))
         elif ctx.fuse:
             compute(_main_grad(weight))
         else:
             wgrad = compute(None)
         returned = wgrad_return(
-            weight, wgrad, accumulate_into_main_grad=ctx.fuse, delayed=ctx.store is not None
+            weight, wgrad, accumulate_into_main_grad=ctx.fuse, delayed=store is not None
         )
         return dgrad, returned, None, None
 
@@ -176,6 +194,63 @@ def largest_error(*, fused: bool, delayed: bool, microbatches: int = 4) -> float
     return err
 
 
+class MatmulFlops(TorchDispatchMode):
+    """Counts matmul FLOPs (torch's flop formulas) into ``counts[phase]``, ``phase`` set by the caller.
+
+    A plain dispatch mode: ``FlopCounterMode``'s module tracker installs
+    autograd hooks of its own, which a split backward must not see.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "other"
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            shapes = torch.utils._pytree.tree_map(
+                lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs, out)
+            )
+            flops = count(*shapes[0], **shapes[1], out_val=shapes[2])
+            self.counts[self.phase] = self.counts.get(self.phase, 0) + flops
+        return out
+
+
+class Stage(torch.nn.Sequential):
+    """A pipeline stage of fused layers: (FusedLinear d->4d, GELU, FusedLinear 4d->d) x ``blocks``."""
+
+    def __init__(self, d: int, blocks: int, dtype: torch.dtype = torch.float64) -> None:
+        layers: list[torch.nn.Module] = []
+        for _ in range(blocks):
+            layers += [FusedLinear(d, 4 * d, dtype=dtype), torch.nn.GELU()]
+            layers += [FusedLinear(4 * d, d, dtype=dtype)]
+        super().__init__(*layers)
+
+
+def split_flops(d: int = 64, tokens: int = 64, blocks: int = 2) -> dict[str, int]:
+    """Matmul FLOPs of one microbatch's B and W under gradsafe's split, on a :class:`Stage`."""
+    torch.manual_seed(0)
+    stage = Stage(d, blocks)
+    x = torch.randn(tokens, d, dtype=torch.float64, requires_grad=True)
+    y = stage(x)
+    counter = MatmulFlops()
+    with counter:
+        counter.phase = "B"
+        _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+        counter.phase = "W"
+        stage_backward_weight(stage.parameters(), handoff)
+    return counter.counts
+
+
+def w_share(d: int = 64, tokens: int = 64, blocks: int = 2) -> float:
+    """The fraction of the backward's matmul FLOPs that W does (gradsafe's split)."""
+    counts = split_flops(d, tokens, blocks)
+    return counts.get("W", 0) / (counts.get("B", 0) + counts.get("W", 0))
+
+
 def main() -> None:
     for delayed in (False, True):
         for fused in (False, True):
@@ -183,6 +258,11 @@ def main() -> None:
             print(
                 f"delayed={delayed!s:5} fused={fused!s:5} max |main_grad - nn.Linear's| = {err:.2e}"
             )
+    counts = split_flops()
+    print(
+        f"split B/W, d=64, 64 tokens, 2 blocks: B {counts.get('B', 0)} W {counts.get('W', 0)} "
+        f"matmul FLOPs, W share {w_share():.3f}"
+    )
 
 
 if __name__ == "__main__":

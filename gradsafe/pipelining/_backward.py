@@ -24,7 +24,12 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
-from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, detach_output
+from gradsafe.pipelining._handoff import (
+    SplitBackwardError,
+    WeightGradHandoff,
+    detach_output,
+    kernels_defer_to_w,
+)
 from gradsafe.pipelining._refusals import (
     expect_handoff,
     leaf_owners,
@@ -176,7 +181,11 @@ def _stage_backward_input(
     group = group_for(has_checkpoints)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
-    captured, at_leaves = _run_b(graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group)
+    # Custom Functions B runs may leave their weight part to W (gradsafe.wgrad.split).
+    with kernels_defer_to_w(graph) as kernels:
+        captured, at_leaves = _run_b(
+            graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group
+        )
     for i in graph.input_side_outputs:
         if leaf_variable(roots[i].edge.node) is None:
             roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
@@ -200,6 +209,7 @@ def _stage_backward_input(
         keep_alive=keep,
         num_nodes=graph.num_nodes,
         group=group,
+        kernels=kernels,
     )
     return tuple(dinputs), handoff
 

@@ -13,11 +13,13 @@ import torch
 from torch.autograd.graph import Node
 
 from gradsafe._shared.gc_pause import collector_paused
+from gradsafe.pipelining._graph import StageGraph
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
     engine_error,
     freed_storages,
     is_modified_in_place,
+    is_python_node,
     leaf_variable,
     saved_unusable,
     saves_storage,
@@ -26,12 +28,14 @@ from gradsafe.pipelining._torch import (
 from gradsafe.pipelining._weight_pass import (
     IntermediateFailed,
     Kept,
+    MemoryOf,
     OutputRoot,
     Progress,
     Recorded,
     deliver_as_ready,
     leaf_grads,
 )
+from gradsafe.wgrad.split import DeferredWeightGrads, open_split_store
 
 _T = TypeVar("_T")
 
@@ -39,11 +43,13 @@ __all__ = [
     "GradientEdgeRootError",
     "GradientTypeError",
     "HandoffState",
+    "KernelWeightGrads",
     "SplitBackwardError",
     "WeightGradHandoff",
     "describe",
     "detach_output",
     "detached_by_split",
+    "kernels_defer_to_w",
 ]
 
 # Stage outputs a split backward detached, by id (tensors compare elementwise,
@@ -139,6 +145,88 @@ def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardErr
     )
 
 
+class KernelWeightGrads:
+    """The weight parts custom Functions left for W in one B, and each parameter's accumulator.
+
+    Filled by :func:`kernels_defer_to_w` when B's engine call ends; the
+    hand-off owns it from then on and runs it in W (:meth:`as_kept`).
+    """
+
+    def __init__(self) -> None:
+        self.deferred: DeferredWeightGrads | None = None
+        self.targets: dict[int, Node] = {}
+
+    def as_kept(self) -> list[Kept]:
+        """Run the closures: one :class:`Kept` per parameter, for W's delivery."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return []
+        memory = MemoryOf(deferred.reads)
+        kept: list[Kept] = []
+        fused = sum(hasattr(param, "main_grad") for param in deferred.params)
+        try:
+            for param, grad in deferred.compute():
+                if grad is not None:
+                    kept.append(Kept(grad, self.targets[id(param)], 0, memory.shared_by(grad)))
+        except BaseException as exc:
+            raise SplitBackwardError(
+                f"W stopped while running a custom Function's delayed weight gradient "
+                f"({type(exc).__name__}: {exc}); no .grad changed"
+                + (
+                    f"; the main_grad of the {fused} parameter(s) that have one may include part of it"
+                    if fused
+                    else ""
+                )
+                + ". Fix the kernel's closure; then zero the gradients and redo the step."
+            ) from exc
+        return kept
+
+    def discard(self) -> None:
+        if self.deferred is not None:
+            self.deferred.discard()
+            self.deferred = None
+
+
+_NO_KERNELS = contextlib.nullcontext(None)
+
+
+def kernels_defer_to_w(
+    graph: StageGraph,
+) -> contextlib.AbstractContextManager[KernelWeightGrads | None]:
+    """B's scope in which the stage's custom Functions may leave their weight part to W.
+
+    None (no scope, nothing to pay) for a stage without custom Function nodes.
+    """
+    nodes = [
+        node
+        for node in (*(item.node for item in graph.intermediates), *graph.weight_nodes)
+        if is_python_node(node)
+    ]
+    return _NO_KERNELS if not nodes else _kernel_scope(graph, nodes)
+
+
+@contextlib.contextmanager
+def _kernel_scope(graph: StageGraph, nodes: Sequence[Node]) -> Iterator[KernelWeightGrads]:
+    kernels = KernelWeightGrads()
+    with open_split_store(nodes) as result:
+        yield kernels
+    deferred = result[0]
+    if not len(deferred):
+        return
+    targets = {id(leaf): node for node, leaf in graph.leaves.items()}
+    for param in deferred.params:
+        if id(param) not in targets:
+            deferred.discard()
+            raise SplitBackwardError(
+                f"a custom Function recorded a delayed weight gradient for a {describe(param)} "
+                "that is not an input of its node (closed over or kept on ctx, not passed to "
+                "apply), so its gradient has no accumulator in the stage's graph for W to deliver "
+                "into. Pass the parameter to Function.apply. No gradient has changed."
+            )
+    kernels.deferred = deferred
+    kernels.targets = {id(p): targets[id(p)] for p in deferred.params}
+
+
 class HandoffState(enum.Enum):
     """Where a :class:`WeightGradHandoff` is in its life."""
 
@@ -179,6 +267,7 @@ class WeightGradHandoff:
         keep_alive: Sequence[torch.Tensor],
         num_nodes: int,
         group: Any = None,
+        kernels: KernelWeightGrads | None = None,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
@@ -203,6 +292,9 @@ class WeightGradHandoff:
         # runs in it too, so checkpointed regions are not recomputed again and
         # their recomputed tensors (held until W) are the ones B used.
         self._group = group
+        # Custom Functions' weight parts B left unrun: W runs them first and
+        # delivers them with the rest (None: no such kernel in the stage).
+        self._kernels = None if kernels is None or kernels.deferred is None else kernels
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
@@ -296,6 +388,9 @@ class WeightGradHandoff:
         recorded, self._recorded = list(self._recorded), ()
         kept, self._kept = self._kept, ()
         group, self._group = self._group, None
+        kernels, self._kernels = self._kernels, None
+        if kernels is not None:
+            kept = (*kept, *kernels.as_kept())
         with collector_paused(), contextlib.nullcontext() if group is None else group:
             return weight_pass(
                 recorded,
@@ -345,6 +440,16 @@ class WeightGradHandoff:
         """Everything W can check without computing a gradient: nothing has changed yet."""
         self._check_weights(weights)
         nodes = (*(rec.node for rec in self._recorded), *self._weight_nodes)
+        modified = None
+        if self._kernels is not None and self._kernels.deferred is not None:
+            modified = self._kernels.deferred.modified_read()
+        if modified is not None:
+            raise SplitBackwardError(
+                f"W stopped before changing any parameter's gradient: {modified}, so W would "
+                "compute with other values than a fused backward. Leave it unchanged until W has "
+                "run (or have the kernel read a copy); then redo the microbatch's forward and "
+                "backward."
+            )
         changed = self._gradient_changed_since_b()
         if changed is not None:
             raise SplitBackwardError(
@@ -424,6 +529,9 @@ class WeightGradHandoff:
         self._recorded = ()
         self._kept = ()
         self._group = None
+        if self._kernels is not None:
+            self._kernels.discard()
+            self._kernels = None
         self._output_roots = ()
         self._weight_nodes = ()
         self._leaf_nodes = ()

@@ -9,6 +9,9 @@
   delayed parameter; :func:`guard_ddp_step` — DDP's reduction and
   ``zero_grad_buffer()`` refuse while a W pass is outstanding
   (:mod:`gradsafe.wgrad.megatron`).
+* :func:`split_wgrad_store` — in gradsafe's split backward (B/W), the store a
+  custom Function records its weight part into, so W runs it
+  (:mod:`gradsafe.wgrad.split`).
 
 No patch: this is a library that kernels call. ``examples/fused_linear.py``
 shows a kernel built on it; :class:`gradsafe.testing.MegatronStyleDDP` tests
@@ -26,11 +29,13 @@ from gradsafe.wgrad._store import (
 )
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 from gradsafe.wgrad.megatron import DDPStepGuard, guard_ddp_step, register_megatron_hook
+from gradsafe.wgrad.split import SplitWeightGradStore, split_wgrad_store
 
 __all__ = [
     "DDPStepGuard",
     "GradReadyHook",
     "PendingWeightGrads",
+    "SplitWeightGradStore",
     "WeightGradClosure",
     "WeightGradStore",
     "dummy_wgrad",
@@ -38,6 +43,7 @@ __all__ = [
     "guard_ddp_step",
     "mark_delayed_wgrad",
     "register_megatron_hook",
+    "split_wgrad_store",
     "wgrad_return",
 ]
 
