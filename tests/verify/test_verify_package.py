@@ -24,10 +24,12 @@ def _modules_after(statement: str) -> list[str]:
     return done.stdout.split()
 
 
-def test_importing_pipelining_loads_neither_the_verify_tool_nor_wgrad() -> None:
+def test_importing_pipelining_loads_no_part_of_the_verify_tool() -> None:
+    # pipelining does load gradsafe.wgrad (its split protocol: a kernel's weight
+    # part recorded in B and run in W), but nothing of the tool built on it.
     loaded = _modules_after("import gradsafe.pipelining")
     assert "gradsafe.pipelining" in loaded
-    assert [m for m in loaded if "verify" in m or m.startswith("gradsafe.wgrad")] == []
+    assert [m for m in loaded if "verify" in m] == []
 
 
 def test_importing_the_verify_package_and_the_command_line_loads_no_torch() -> None:
