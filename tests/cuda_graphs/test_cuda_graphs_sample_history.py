@@ -7,6 +7,8 @@ so the weights before the block get it twice (called with ``(h, h)``) or get a t
 never computes (``(h, 2 * h)``), silently; a history reaching a module parameter adds to that
 parameter's gradient; one with saved tensors raises "backward through the graph a second time"
 at warm-up. gradsafe detaches such samples first, in every ownership mode: fp64, exact.
+``make_graphed_split_callables`` captures on a detached copy of each sample, so shared,
+overlapping or derived samples are exact there too (all fail when it uses the samples as given).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from gradsafe.cuda_graphs import make_graphed_callables
+from gradsafe.cuda_graphs import (
+    CaptureEntry,
+    CaptureOrder,
+    make_graphed_callables,
+    make_graphed_split_callables,
+)
 
 
 class _Two(nn.Module):
@@ -121,3 +128,46 @@ def test_graphing_leaves_a_samples_history_intact(graph_device: torch.device) ->
     assert hs.grad is None
     doubled.sum().backward()
     torch.testing.assert_close(hs.grad, torch.full_like(hs, 2.0), rtol=0, atol=0)
+
+
+_SPLIT_SAMPLES: dict[str, _Samples] = {
+    **_WITH_HISTORY,
+    # Refused by make_graphed_callables (test_cuda_graphs_aliased_sample_args.py).
+    "(hs, hs)": lambda hs, block: (hs, hs),
+    "overlapping views": lambda hs, block: _overlapping(torch.cat([hs, hs[:1]])),
+}
+
+
+def _overlapping(rows3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rows3[:2], rows3[1:]
+
+
+@pytest.mark.usefixtures("fp64")
+@pytest.mark.parametrize("samples", sorted(_SPLIT_SAMPLES))
+def test_split_callables_copy_each_sample_so_shared_or_derived_samples_give_eager_gradients(
+    graph_device: torch.device, samples: str
+) -> None:
+    """``make_graphed_split_callables`` captures on its own detached copy of each sample."""
+    grads = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        before, block = nn.Linear(3, 3).to(graph_device), _Two().to(graph_device)
+        x = torch.randn(2, 3, device=graph_device)
+        stages = None
+        if graphed:
+            hs = torch.randn(2, 3, device=graph_device, requires_grad=True)
+            entries = [
+                CaptureEntry.forward(0, 0),
+                CaptureEntry.dgrad(0, 0),
+                CaptureEntry.wgrad(0, 0),
+            ]
+            stages = make_graphed_split_callables(
+                [block], [_SPLIT_SAMPLES[samples](hs, block)], CaptureOrder(entries)
+            )
+        h = before(x)
+        block(h, h).sum().backward()
+        if stages is not None:
+            stages.backward_weight(0)
+        grads.append([p.grad.clone() for p in (*before.parameters(), *block.parameters())])  # type: ignore[union-attr]
+    for eager, ours in zip(*grads):
+        torch.testing.assert_close(ours, eager, rtol=0, atol=1e-12)
