@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+import gradsafe
 from gradsafe.cuda_graphs import (
     CaptureEntry,
     CaptureOrder,
@@ -97,6 +98,35 @@ def test_samples_with_autograd_history_give_the_input_eager_gradients_under_owne
     ours = _grads(graph_device, _WITH_HISTORY[samples], "never", same=True)
     for e, o in zip(eager[:2], ours[:2]):  # before.weight, before.bias
         torch.testing.assert_close(o, e, rtol=0, atol=1e-12)
+
+
+def _input_grad(
+    make: Callable[..., Any] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h.grad`` after ``block(h, h).sum().backward()`` graphed from ``(hs, hs.clone())``; ``lin(h)``."""
+    torch.manual_seed(0)
+    block = _Two().to(device)
+    hs = torch.randn(2, 3, device=device, requires_grad=True)
+    h = torch.randn(2, 3, device=device, requires_grad=True)
+    graphed = block if make is None else make(block, (hs, hs.clone()))
+    graphed(h, h).sum().backward()
+    return h.grad, block.lin(h).detach()  # type: ignore[return-value]
+
+
+@pytest.mark.usefixtures("fp64")
+def test_torchs_own_make_graphed_callables_adds_a_derived_samples_gradient_to_its_source(
+    graph_device: torch.device,
+) -> None:
+    """Upstream's (on a GPU too): h's gradient gets ``d/db = lin(h)`` twice; eager's has it once."""
+    upstream = gradsafe.get_original("torch.cuda.graphs", "make_graphed_callables")
+    upstream_grad, lin_h = _input_grad(upstream, graph_device)
+    ours, _ = _input_grad(make_graphed_callables, graph_device)
+    eager, _ = _input_grad(None, graph_device)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-12)
+    torch.testing.assert_close(upstream_grad - eager, lin_h, rtol=0, atol=1e-12)
+    with gradsafe.patch("cuda_graphs"):
+        patched, _ = _input_grad(torch.cuda.make_graphed_callables, graph_device)
+    torch.testing.assert_close(patched, ours, rtol=0, atol=0)
 
 
 @pytest.mark.usefixtures("fp64")
