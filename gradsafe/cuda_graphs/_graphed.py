@@ -20,6 +20,7 @@ from typing_extensions import TypeAlias
 from gradsafe.cuda_graphs._aliasing import refuse_shared_sample_args
 from gradsafe.cuda_graphs._collector import no_collection_during_capture
 from gradsafe.cuda_graphs._ownership import OWNERSHIP_POLICIES, Ownership, owning_graphed
+from gradsafe.cuda_graphs._sample_history import without_sample_history
 from gradsafe.cuda_graphs._structure import find_graphed_site, graphed_inputs
 from gradsafe.patching import REGISTRY
 
@@ -158,6 +159,9 @@ def make_graphed_callables(
             sample_args if isinstance(callables, tuple) else (sample_args,),
         ),
     )
+    # Also in every mode: a sample's own history would add other slots' gradients
+    # into its slot (_sample_history.py); a detached leaf sharing its memory does not.
+    sample_args = without_sample_history(sample_args)
     with no_collection_during_capture():
         graphed = cast(
             "ModuleOrCallable | tuple[ModuleOrCallable, ...]",

@@ -28,7 +28,13 @@ import types
 from typing import Any
 
 import torch
-from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import (
+    arg_tree_leaves,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 
 from gradsafe._torch_support import SUPPORTED_TORCH
 
@@ -42,6 +48,7 @@ __all__ = [
     "schedule_action",
     "tree_flatten",
     "tree_leaves",
+    "tree_map",
     "tree_unflatten",
 ]
 
