@@ -113,6 +113,12 @@ def make_graphed_callables(
     is not owned"); ``torch.utils.checkpoint`` around the callable recomputes a
     call before its backward, which is exact.
 
+    A sample tensor with autograd history (a non-leaf that requires grad, such
+    as ``hs.clone()``) is captured as a leaf sharing its memory, in every
+    mode: upstream captures it as it is given, so a sample derived from
+    another sample or from a parameter has its gradient added into that
+    tensor's too (docs/cuda_graphs.md).
+
     Raises:
         UnsupportedTorchError: the installed torch builds graphed callables in
             a shape gradsafe does not recognise (never silently unsafe).
