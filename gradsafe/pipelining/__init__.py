@@ -22,11 +22,13 @@ from gradsafe.pipelining._handoff import (
     WeightGradHandoff,
 )
 from gradsafe.pipelining._inference import MetadataInferenceError
+from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
 from gradsafe.pipelining._verify import ORDERS, verify
 from gradsafe.pipelining._verify_report import VerifyReport
 
 __all__ = [
     "ORDERS",
+    "CheckpointedWeights",
     "GradientEdgeRootError",
     "GradientTypeError",
     "HandoffState",
@@ -34,6 +36,7 @@ __all__ = [
     "SplitBackwardError",
     "VerifyReport",
     "WeightGradHandoff",
+    "checkpointed_weights",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",

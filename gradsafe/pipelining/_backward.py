@@ -25,6 +25,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from gradsafe.pipelining._gc import collector_paused
 from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
 from gradsafe.pipelining._handoff import SplitBackwardError, WeightGradHandoff, detach_output
+from gradsafe.pipelining._policy import CheckpointedWeights, current_policy
 from gradsafe.pipelining._refusals import (
     expect_handoff,
     leaf_owners,
@@ -39,10 +40,12 @@ from gradsafe.pipelining._refusals import (
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import (
     captured_grads,
+    exec_group,
     is_python_node,
     is_view,
     leaf_variable,
     silenced_tensor_hooks,
+    unpack_twice,
     version,
 )
 from gradsafe.pipelining._weight_pass import Kept, MemoryOf, OutputRoot, Recorded
@@ -170,13 +173,17 @@ def _stage_backward_input(
         graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None
     )
     refuse_weight_side(graph, input_nodes)
-    in_b, in_k, has_checkpoints = weight_parts_in_b(graph)
+    policy = current_policy()
+    in_b, in_k, has_checkpoints, twice = weight_parts_in_b(graph, policy)
     k_leaves = [n for n in graph.leaves if n in in_k]
     k_outputs = {i for i in graph.weight_only_outputs if roots[i].edge.node in in_k}
     group = group_for(has_checkpoints)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
-    captured, at_leaves = _run_b(graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group)
+    with unpack_twice(twice, group):
+        captured, at_leaves = _run_b(
+            graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group
+        )
     for i in graph.input_side_outputs:
         if leaf_variable(roots[i].edge.node) is None:
             roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
@@ -199,9 +206,17 @@ def _stage_backward_input(
         outputs=later,
         keep_alive=keep,
         num_nodes=graph.num_nodes,
-        group=group,
+        group=_w_group(group, policy),
     )
     return tuple(dinputs), handoff
+
+
+def _w_group(group: Any, policy: CheckpointedWeights) -> Any:
+    """The checkpoint group W runs in: B's, or (``RECOMPUTE_IN_W``) one of its own, where
+    the checkpointed intermediates W calls recompute their regions once more."""
+    if group is None or policy is not CheckpointedWeights.RECOMPUTE_IN_W:
+        return group
+    return exec_group()
 
 
 def _records_for_w(

@@ -192,8 +192,11 @@ def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
     names = _saved_names(type(node))
     if not names:
         return None
+    # A checkpointed node's saved tensors are read packed: unpacking one here,
+    # outside the microbatch's checkpoint group, would recompute its region.
+    hooked = has_hooked_saved(node)
     try:
-        getattr(node, names[0].replace("_raw_saved_", "_saved_", 1))
+        getattr(node, names[0] if hooked else names[0].replace("_raw_saved_", "_saved_", 1))
     except RuntimeError as exc:
         return "modified" if is_modified_in_place(exc) else "freed"
     return None
@@ -221,10 +224,15 @@ def freed_storages(leaves: Sequence[torch.Tensor]) -> set[int]:
 def saves_storage(node: Node, storages: set[int]) -> bool:
     """Whether ``node`` saved a tensor whose storage is one of ``storages`` (a leaf, or a view of one).
 
-    Unpacks the saved tensors: only for nodes whose saved tensors come back
-    without hooks, which are those W calls. A custom Function's node is read
+    Unpacks the saved tensors where they come back without hooks. A node
+    whose saved tensors come back through hooks (a checkpointed op W calls)
+    is not unpacked (that would recompute its region outside the
+    microbatch's group): it counts as saving one, so that W refuses rather
+    than risk reading freed memory. A custom Function's node is read
     through ``saved_tensors``.
     """
+    if has_hooked_saved(node):
+        return bool(storages)
     if is_python_node(node):
         try:
             saved: Any = node.saved_tensors  # type: ignore[attr-defined]
@@ -301,6 +309,8 @@ def crashes_weight_only(node: Node) -> bool:
             _CRASH_KINDS[kind] = probed
     if not probed:
         return False
+    if has_hooked_saved(node):
+        return True  # its saved input is not unpacked here (a checkpoint would recompute)
     saved = getattr(node, "_saved_input", None)
     if not isinstance(saved, torch.Tensor) or saved.dim() not in (4, 5) or saved.is_contiguous():
         return False
