@@ -93,6 +93,38 @@ def test_recompute_in_w_leaves_selective_regions_weight_gradients_to_b(tokens: i
     assert split.held == _measured(IN_B, "selective", tokens).held
 
 
+# docs/pipelining.md's table: (B, W) in forwards' matmul FLOPs, W share, forwards recomputed.
+_TABLE = {
+    ("none", IN_W): (1, 1, 0.5, 0),
+    ("none", "torch"): (1, 1, 0.5, 0),
+    ("full", IN_W): (1.5, 1, 0.5, 0.5),
+    ("full", RECOMPUTE): (1.5, 1.5, 0.5, 1),
+    ("full", IN_B): (2.5, 0, 0, 0.5),
+    ("full", "torch"): (1.5, 2.5, 0.5, 2),
+    ("full", "fused"): (2.5, 0, 0, 0.5),
+    ("selective", IN_W): (1, 1, 0.5, 0),
+    ("selective", RECOMPUTE): (2, 0, 0, 0),
+    ("selective", IN_B): (2, 0, 0, 0),
+}
+
+
+@pytest.mark.parametrize(("checkpointing", "split"), list(_TABLE))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_flops_in_b_and_w_follow_the_documented_table(
+    checkpointing: str, split: object, tokens: int
+) -> None:
+    r = _measured(split, checkpointing, tokens)
+    assert r.forward == 32 * tokens * D * D  # 2 blocks of d->4d->d matmuls
+    assert (r.b / r.forward, r.w / r.forward, r.w_share, r.recomputes) == _TABLE[
+        checkpointing, split
+    ]
+
+
+def test_torchs_split_crashes_on_selective_checkpointing() -> None:
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        measure("torch", "selective", D // 4, D)
+
+
 # docs/pipelining.md's memory formulas for this stage (2 blocks, float64), in elements.
 _HELD = {
     ("none", IN_W): lambda t, d: 31 * t * d + 4 * t,
