@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gradsafe.pipelining import (
     CheckpointedWeights,
+    SplitBackwardError,
     checkpointed_weights,
     stage_backward_input,
     stage_backward_weight,
@@ -149,11 +151,20 @@ def test_memory_between_b_and_w_follows_the_documented_formula(
 class _Stage(nn.Module):
     """Two checkpointed blocks with dropout; ``tie`` also uses the first weight outside them."""
 
-    def __init__(self, d: int, *, tie: bool = False, twice: bool = False, nested: bool = False):
+    def __init__(
+        self,
+        d: int,
+        *,
+        tie: bool = False,
+        twice: bool = False,
+        nested: bool = False,
+        **checkpoint_kwargs: Any,
+    ):
         super().__init__()
         self.a = nn.Linear(d, 2 * d)
         self.b = nn.Linear(2 * d, d)
         self.tie, self.twice, self.nested = tie, twice, nested
+        self.kwargs = checkpoint_kwargs
         self.preserve = True
 
     def _region(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +177,9 @@ class _Stage(nn.Module):
         return self.b(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = checkpoint(self._region, x, use_reentrant=False, preserve_rng_state=self.preserve)
-        y = checkpoint(self._region, y, use_reentrant=False, preserve_rng_state=self.preserve)
+        kwargs = {"use_reentrant": False, "preserve_rng_state": self.preserve, **self.kwargs}
+        y = checkpoint(self._region, x, **kwargs)
+        y = checkpoint(self._region, y, **kwargs)
         if self.tie:
             y = y + (x @ self.a.weight.T)[:, : x.shape[1]]
         return y
@@ -234,8 +246,22 @@ def _compare(
 @pytest.mark.parametrize("order", ORDERS.values(), ids=list(ORDERS))
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"tie": True}, {"twice": True}, {"nested": True}],
-    ids=["plain", "tied-outside", "used-twice", "nested"],
+    [
+        {},
+        {"tie": True},
+        {"twice": True},
+        {"nested": True},
+        {"early_stop": False},
+        {"determinism_check": "none"},
+    ],
+    ids=[
+        "plain",
+        "tied-outside",
+        "used-twice",
+        "nested",
+        "no-early-stop",
+        "no-determinism-check",
+    ],
 )
 def test_checkpointed_split_is_exact_in_every_schedule_order(
     order: list[str], variant: dict, policy: CheckpointedWeights
@@ -304,3 +330,51 @@ def test_checkpointed_weights_refuses_what_is_not_a_policy() -> None:
     with pytest.raises(TypeError, match="CheckpointedWeights.IN_W"):
         with checkpointed_weights("in_b"):  # type: ignore[arg-type]
             pass
+
+
+def test_w_refuses_a_checkpointed_stage_whose_saved_tensors_another_backward_freed() -> None:
+    stage = Mlp(16, 1, "full").double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = stage(x)
+    other = y.view_as(y)  # a second way into the graph, kept past B's detach
+    _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+    other.sum().backward()  # frees the saved tensors, checkpoint holders included
+    with pytest.raises(SplitBackwardError, match="were freed"):
+        stage_backward_weight(stage.parameters(), handoff)
+
+
+def _exact_b_elsewhere(run_b: Callable[[Callable[[], Any]], Any]) -> None:
+    torch.manual_seed(0)
+    stage = Mlp(16, 2, "full").double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 16, dtype=torch.float64)
+    y = stage(x)
+    y.backward(g, retain_graph=True)
+    want = [p.grad.clone() for p in stage.parameters()]  # type: ignore[union-attr]
+    stage.zero_grad(set_to_none=True)
+    y = stage(x)
+    handoff = run_b(lambda: stage_backward_input(y, g, [x], stage.parameters())[1])
+    stage_backward_weight(stage.parameters(), handoff)
+    for p, w in zip(stage.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-12)
+
+
+def test_b_under_inference_mode_keeps_w_exact_on_a_checkpointed_stage() -> None:
+    def run_b(b: Callable[[], Any]) -> Any:
+        with torch.inference_mode():
+            return b()
+
+    _exact_b_elsewhere(run_b)
+
+
+def test_b_on_another_thread_keeps_w_exact_on_a_checkpointed_stage() -> None:
+    import threading
+
+    def run_b(b: Callable[[], Any]) -> Any:
+        out: list[Any] = []
+        thread = threading.Thread(target=lambda: out.append(b()))
+        thread.start()
+        thread.join(60)
+        return out[0]
+
+    _exact_b_elsewhere(run_b)
