@@ -26,6 +26,8 @@ from typing import Any
 import torch.utils.checkpoint
 from torch.autograd.graph import Node
 
+from gradsafe.pipelining._torch._nodes import saved_names
+
 __all__ = ["checkpoint_holders", "recomputes_alike", "unpack_twice"]
 
 # None on a torch without non-reentrant checkpoint holders: no saved tensor is one.
@@ -40,9 +42,7 @@ def checkpoint_holders(node: Node) -> tuple[Any, ...] | None:
     Empty when no saved tensor went through hooks.
     """
     holders: list[Any] = []
-    for name in dir(type(node)):
-        if not name.startswith("_raw_saved_"):
-            continue
+    for name in saved_names(type(node)):
         saved = getattr(node, name)
         for item in saved if isinstance(saved, (list, tuple)) else (saved,):
             if getattr(item, "unpack_hook", None) is None:
@@ -104,9 +104,7 @@ def recomputes_alike(node: Node) -> bool:
     for anything else, and wherever this torch's checkpoint is not built as
     read here.
     """
-    for name in dir(type(node)):
-        if not name.startswith("_raw_saved_"):
-            continue
+    for name in saved_names(type(node)):
         saved = getattr(node, name)
         for item in saved if isinstance(saved, (list, tuple)) else (saved,):
             hook = getattr(item, "unpack_hook", None)

@@ -38,6 +38,7 @@ __all__ = [
     "runs_whole",
     "saved_unusable",
     "saves_storage",
+    "saved_names",
     "saves_itself",
     "version",
 ]
@@ -142,7 +143,7 @@ def leaf_variable(node: Node) -> torch.Tensor | None:
 
 def has_hooked_saved(node: Node) -> bool:
     """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
-    for name in _saved_names(type(node)):
+    for name in saved_names(type(node)):
         saved = getattr(node, name)
         if isinstance(saved, (list, tuple)):
             if any(getattr(item, "unpack_hook", None) is not None for item in saved):
@@ -175,7 +176,7 @@ def saves_itself(node: Node) -> bool:
 
 @functools.cache
 def _saved_output_names(kind: type) -> tuple[str, ...]:
-    return tuple(name for name in _saved_names(kind) if name.startswith("_raw_saved_result"))
+    return tuple(name for name in saved_names(kind) if name.startswith("_raw_saved_result"))
 
 
 def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
@@ -189,7 +190,7 @@ def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
     """
     if is_python_node(node):
         return None
-    names = _saved_names(type(node))
+    names = saved_names(type(node))
     if not names:
         return None
     # A checkpointed node's saved tensors are read packed: unpacking one here,
@@ -241,7 +242,7 @@ def saves_storage(node: Node, storages: set[int]) -> bool:
         tensors = list(saved)
     else:
         tensors = []
-        for name in _saved_names(type(node)):
+        for name in saved_names(type(node)):
             try:
                 value = getattr(node, name.replace("_raw_saved_", "_saved_", 1))
             except RuntimeError:
@@ -263,7 +264,8 @@ def is_modified_in_place(exc: BaseException) -> bool:
 
 
 @functools.cache
-def _saved_names(kind: type) -> tuple[str, ...]:
+def saved_names(kind: type) -> tuple[str, ...]:
+    """The ``_raw_saved_*`` attributes of built-in node class ``kind`` (its saved tensors, packed)."""
     # Each built-in node kind is its own class; dir() per node would cost more
     # than the rest of B's bookkeeping for it.
     return tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
