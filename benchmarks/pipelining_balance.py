@@ -1,6 +1,6 @@
 """How each split divides a checkpointed stage's backward between B and W (issue 29).
 
-Run: PYTHONPATH=. python benchmarks/pipelining_balance.py [--d 128] [--blocks 2]
+Run: PYTHONPATH=. python benchmarks/pipelining_balance.py [--d 128] [--blocks 2] [--torchtitan]
 Prints the torch version and machine, then, for a stage of MLP blocks
 (LayerNorm, Linear d->4d, GELU, Linear 4d->d; float64) without checkpointing,
 with every block checkpointed (``use_reentrant=False``) and with selective
@@ -12,6 +12,10 @@ MFLOP run in B and in W, W's share of the backward's own matmul FLOPs
 backward recomputes, and the bytes alive between B and W (absolute, and over
 the same stage's without checkpointing). Counted, not timed
 (gradsafe/pipelining/_balance.py), so any machine prints the same figures.
+``--torchtitan`` (torchtitan 0.3.0 installed, torch >= 2.14) also prints, per
+policy, the matmul MFLOP in B and W of the middle stages of torchtitan's
+llama3 debugmodel, stages built as ``gradsafe verify --torchtitan`` builds
+them for ZBV on 2 ranks (torchtitan's default selective AC), one microbatch.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import platform
 
 import torch
 
-from gradsafe.pipelining import CheckpointedWeights
-from gradsafe.pipelining._balance import Split, measure
+from gradsafe.pipelining import (
+    CheckpointedWeights,
+    checkpointed_weights,
+    stage_backward_input,
+    stage_backward_weight,
+)
+from gradsafe.pipelining._balance import Split, counted_flops, measure
 
 SPLITS: tuple[Split, ...] = (*CheckpointedWeights, "torch", "fused")
 
@@ -35,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--torchtitan", action="store_true")
     args = parser.parse_args()
     d = args.d
     print(f"torch {torch.__version__}, {platform.machine()}, d={d}, {args.blocks} blocks, float64")
@@ -59,6 +69,35 @@ def main() -> None:
                     f"{tokens:>6} {checkpointing:<10} {name:<15} {r.b / 1e6:>9.1f} "
                     f"{r.w / 1e6:>9.1f} {share:>8} {r.recomputes:>10.2f} {held}"
                 )
+    if args.torchtitan:
+        torchtitan_stages()
+
+
+def torchtitan_stages() -> None:
+    from gradsafe.pipelining._verify_torchtitan import build_stages
+
+    stages, microbatches, _ = build_stages("llama3", "ZBVZeroBubble", 2)
+    print("torchtitan llama3 debugmodel, ZBV on 2 ranks, middle stages, one microbatch")
+    for policy in CheckpointedWeights:
+        h: torch.Tensor = microbatches[0][0]
+        pairs = []
+        for i, stage in enumerate(stages):
+            x = h.detach().requires_grad_() if i else h
+            h = stage(x)
+            pairs.append((x, h))
+        for i in range(1, len(stages) - 1):
+            x, out = pairs[i]
+            params = list(stages[i].parameters())
+            with checkpointed_weights(policy), counted_flops() as b:
+                _, handoff = stage_backward_input(out, torch.ones_like(out), [x], params)
+            with counted_flops() as w:
+                stage_backward_weight(params, handoff)
+            grads = b.total - b.in_forward + w.total
+            print(
+                f"  {policy.name:<15} stage {i}: B {b.total / 1e6:.1f} MFLOP "
+                f"(recomputation {b.in_forward / 1e6:.1f}), W {w.total / 1e6:.1f} MFLOP, "
+                f"W share {w.total / grads:.3f}"
+            )
 
 
 if __name__ == "__main__":

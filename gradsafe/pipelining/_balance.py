@@ -32,7 +32,7 @@ from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
 from gradsafe.pipelining._torch import TorchDispatchMode, split_backward_module
 
-__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "measure"]
+__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "counted_flops", "measure"]
 
 Checkpointing = Literal["none", "full", "selective"]
 #: gradsafe's split under a policy, torch's own split, or a fused backward.
@@ -153,6 +153,11 @@ class Balance:
         the region's last op (whose inputs, saved before it runs, are all it needs)."""
         recomputed = self.b_recomputed + self.w_recomputed
         return recomputed / self.forward if self.forward else 0.0
+
+
+def counted_flops() -> _Flops:
+    """A context manager counting matmul FLOPs (``.total``; ``.in_forward``: inside a module's forward)."""
+    return _Flops()
 
 
 def _counted(run: Callable[[], Any]) -> tuple[Any, _Flops]:
