@@ -103,8 +103,9 @@ def stage_backward_input(
         accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
         single-use hand-off W needs. No parameter hook runs here, and weight
         gradients are computed only where W cannot compute them: for
-        checkpointed or offloaded ops and custom Functions that depend on a
-        stage input, with the weight side they reach (kept for W, which
+        offloaded ops and custom Functions that depend on a stage input (and
+        checkpointed ops, as :func:`~gradsafe.pipelining.checkpointed_weights`
+        chooses), with the weight side they reach (kept for W, which
         delivers them). Like torch's B, the outputs are detached in place,
         except those another node of the stage consumes (a node W calls may
         have saved one): W detaches those.
