@@ -32,7 +32,7 @@ from gradsafe.pipelining._live_storage import LiveStorage
 from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
 from gradsafe.pipelining._torch import TorchDispatchMode, split_backward_module
 
-__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "counted_flops", "measure"]
+__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "counted_flops", "measure", "save_matmuls"]
 
 Checkpointing = Literal["none", "full", "selective"]
 #: gradsafe's split under a policy, torch's own split, or a fused backward.
@@ -52,8 +52,9 @@ class _Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # torchtitan's "op" SAC saves its matmuls' outputs and recomputes the rest.
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective-checkpoint policy saving the matmuls' outputs, recomputing the rest
+    (as torchtitan's "op" SAC does for its matmuls)."""
     if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -74,7 +75,7 @@ class Mlp(nn.Module):
             elif self.checkpointing == "full":
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
                 x = checkpoint(block, x, use_reentrant=False, context_fn=context)
         return x
 

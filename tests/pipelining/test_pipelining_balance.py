@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from gradsafe.pipelining import (
     CheckpointedWeights,
@@ -22,7 +22,7 @@ from gradsafe.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-from gradsafe.pipelining._balance import Balance, Mlp, measure
+from gradsafe.pipelining._balance import Balance, Mlp, measure, save_matmuls
 
 D = 128
 TOKENS = (D // 4, D, 4 * D)
@@ -253,6 +253,7 @@ def _compare(
         {"nested": True},
         {"early_stop": False},
         {"determinism_check": "none"},
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)},
     ],
     ids=[
         "plain",
@@ -261,6 +262,7 @@ def _compare(
         "nested",
         "no-early-stop",
         "no-determinism-check",
+        "selective",
     ],
 )
 def test_checkpointed_split_is_exact_in_every_schedule_order(
