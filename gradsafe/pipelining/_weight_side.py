@@ -36,6 +36,7 @@ from gradsafe.pipelining._torch import (
     current_exec_group,
     exec_group,
     has_hooked_saved,
+    has_other_post_hooks,
     recomputes_alike,
     runs_whole,
 )
@@ -95,7 +96,9 @@ def weight_parts_in_b(
 
 def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[Any, ...] | None:
     """The checkpoint holders of a checkpointed intermediate W calls again (None: B runs it whole)."""
-    if policy is CheckpointedWeights.IN_B:
+    if policy is CheckpointedWeights.IN_B or _has_post_hooks(node):
+        # A node post hook sees input and weight gradients together only if B
+        # computes both (a split W call would be refused for it).
         return None
     # None for saved tensors other hooks packed (offloading, a user's own):
     # their unpack cannot be told to run twice, nor their region recomputed.
@@ -105,6 +108,18 @@ def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[Any, ...] |
     # RECOMPUTE_IN_W: W unpacks in a group of its own, so the region
     # recomputes there; only where that gives B's tensors again.
     return () if recomputes_alike(node) else None
+
+
+def _has_post_hooks(node: Node) -> bool:
+    probe = node.register_hook(_no_hook)
+    try:
+        return has_other_post_hooks(probe)
+    finally:
+        probe.remove()
+
+
+def _no_hook(grad_inputs: Any, grad_outputs: Any) -> None:
+    return None
 
 
 def _close(graph: StageGraph, in_b: set[Intermediate], in_k: set[Node], hooked: list[Node]) -> None:

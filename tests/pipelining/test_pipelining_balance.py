@@ -380,3 +380,30 @@ def test_b_on_another_thread_keeps_w_exact_on_a_checkpointed_stage() -> None:
         return out[0]
 
     _exact_b_elsewhere(run_b)
+
+
+def test_a_post_hook_on_a_checkpointed_op_keeps_its_weight_gradients_in_b() -> None:
+    # A node post hook sees the input and weight gradients together: only B
+    # computing both gives it what a fused backward does (W could not call the
+    # node without refusing it), so that op falls back to IN_B, exactly.
+    def run(split: bool) -> tuple[list[torch.Tensor], list[int]]:
+        torch.manual_seed(0)
+        stage = Mlp(8, 1, "full").double()
+        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        y = stage(x)
+        node = y.grad_fn.next_functions[1][0]  # type: ignore[union-attr]
+        assert node is not None and node.name() == "AddmmBackward0"
+        seen: list[int] = []
+        node.register_hook(lambda gi, go: seen.append(sum(g is not None for g in gi)))
+        if split:
+            _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+            assert handoff.num_kept > 0
+            stage_backward_weight(stage.parameters(), handoff)
+        else:
+            y.backward(torch.ones_like(y))
+        return [p.grad for p in stage.parameters()], seen  # type: ignore[misc]
+
+    (want, fused_seen), (got, split_seen) = run(False), run(True)
+    assert split_seen == fused_seen
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
