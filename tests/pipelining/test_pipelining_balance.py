@@ -130,6 +130,8 @@ def test_torchs_split_crashes_on_selective_checkpointing() -> None:
 # docs/pipelining.md's memory formulas for this stage (2 blocks, float64), in elements.
 _HELD = {
     ("none", IN_W): lambda t, d: 31 * t * d + 4 * t,
+    ("none", IN_B): lambda t, d: 31 * t * d + 4 * t,
+    ("none", "torch"): lambda t, d: 31 * t * d + 4 * t,
     ("full", IN_W): lambda t, d: 23 * t * d + 4 * t,
     ("selective", IN_W): lambda t, d: 25 * t * d + 4 * t,
     ("full", RECOMPUTE): lambda t, d: 13 * t * d,
