@@ -28,15 +28,18 @@ from gradsafe.pipelining._handoff import (
     SplitBackwardError,
     WeightGradHandoff,
 )
+from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
 from gradsafe.pipelining.schedule._inference import MetadataInferenceError
 
 __all__ = [
+    "CheckpointedWeights",
     "GradientEdgeRootError",
     "GradientTypeError",
     "HandoffState",
     "MetadataInferenceError",
     "SplitBackwardError",
     "WeightGradHandoff",
+    "checkpointed_weights",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",

@@ -30,6 +30,7 @@ from gradsafe.pipelining._handoff import (
     detach_output,
     kernels_defer_to_w,
 )
+from gradsafe.pipelining._policy import CheckpointedWeights, current_policy
 from gradsafe.pipelining._refusals import (
     expect_handoff,
     leaf_owners,
@@ -44,10 +45,12 @@ from gradsafe.pipelining._refusals import (
 from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import (
     captured_grads,
+    exec_group,
     is_python_node,
     is_view,
     leaf_variable,
     silenced_tensor_hooks,
+    unpack_twice,
     version,
 )
 from gradsafe.pipelining._weight_pass import Kept, MemoryOf, OutputRoot, Recorded
@@ -105,8 +108,9 @@ def stage_backward_input(
         accumulated into a leaf input's ``.grad``, as torch does), and the opaque,
         single-use hand-off W needs. No parameter hook runs here, and weight
         gradients are computed only where W cannot compute them: for
-        checkpointed or offloaded ops and custom Functions that depend on a
-        stage input, with the weight side they reach (kept for W, which
+        offloaded ops and custom Functions that depend on a stage input (and
+        checkpointed ops, as :func:`~gradsafe.pipelining.checkpointed_weights`
+        chooses), with the weight side they reach (kept for W, which
         delivers them). Like torch's B, the outputs are detached in place,
         except those another node of the stage consumes (a node W calls may
         have saved one): W detaches those.
@@ -175,14 +179,15 @@ def _stage_backward_input(
         graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None
     )
     refuse_weight_side(graph, input_nodes)
-    in_b, in_k, has_checkpoints = weight_parts_in_b(graph)
+    policy = current_policy()
+    in_b, in_k, has_checkpoints, twice = weight_parts_in_b(graph, policy)
     k_leaves = [n for n in graph.leaves if n in in_k]
     k_outputs = {i for i in graph.weight_only_outputs if roots[i].edge.node in in_k}
     group = group_for(has_checkpoints)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     # Custom Functions B runs may leave their weight part to W (gradsafe.wgrad.split).
-    with kernels_defer_to_w(graph) as kernels:
+    with kernels_defer_to_w(graph) as kernels, unpack_twice(twice, group):
         captured, at_leaves = _run_b(
             graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group
         )
@@ -208,10 +213,18 @@ def _stage_backward_input(
         outputs=later,
         keep_alive=keep,
         num_nodes=graph.num_nodes,
-        group=group,
+        group=_w_group(group, policy),
         kernels=kernels,
     )
     return tuple(dinputs), handoff
+
+
+def _w_group(group: Any, policy: CheckpointedWeights) -> Any:
+    """The checkpoint group W runs in: B's, or (``RECOMPUTE_IN_W``) one of its own, where
+    the checkpointed intermediates W calls recompute their regions once more."""
+    if group is None or policy is not CheckpointedWeights.RECOMPUTE_IN_W:
+        return group
+    return exec_group()
 
 
 def _records_for_w(

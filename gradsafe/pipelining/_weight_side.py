@@ -29,31 +29,45 @@ from torch.autograd.graph import Node
 
 from gradsafe.pipelining._graph import Intermediate, StageGraph
 from gradsafe.pipelining._handoff import SplitBackwardError
+from gradsafe.pipelining._policy import CheckpointedWeights
 from gradsafe.pipelining._torch import (
+    checkpoint_holders,
     crashes_weight_only,
     current_exec_group,
     exec_group,
     has_hooked_saved,
+    has_other_post_hooks,
+    recomputes_alike,
     runs_whole,
 )
 
 __all__ = ["entered", "group_for", "weight_parts_in_b"]
 
 
-def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], bool]:
-    """The intermediates B runs whole, ``K`` (the weight side B computes with them), and
-    whether the stage has checkpointed (or offloaded) built-in nodes.
+def weight_parts_in_b(
+    graph: StageGraph, policy: CheckpointedWeights
+) -> tuple[set[Intermediate], set[Node], bool, list[Any]]:
+    """The intermediates B runs whole, ``K`` (the weight side B computes with them), whether
+    the stage has checkpointed (or offloaded) built-in nodes, and the checkpoint holders
+    whose saved tensors unpack once in B and once more in W.
 
     A custom Function's node computes all its gradients in one call (B runs
-    it, so W must not again), and a built-in intermediate whose saved tensors
-    come back through saved-tensor hooks (checkpointing, offloading) may
-    unpack them once per checkpoint group: W cannot call either. ``K`` is
-    every weight-side node (accumulators included) below their weight edges,
-    closed so that nothing outside it sends into it: an intermediate with a
-    weight edge into ``K`` joins them (and what lies below its weight edges
-    joins ``K``), and so does a weight-only node with a child in ``K``. B's
-    engine then runs each node of ``K`` once, with its complete gradient, and
-    W runs none of them; nothing W runs reaches ``K``.
+    it, so W must not again). A built-in intermediate whose saved tensors
+    come back through saved-tensor hooks may unpack them once per checkpoint
+    group: with :attr:`CheckpointedWeights.IN_W` (the default), one whose
+    hooks are all non-reentrant ``torch.utils.checkpoint``'s is called in W
+    like any other, its holders told to unpack twice (B's recomputation
+    feeds both); otherwise (other hooks, :attr:`CheckpointedWeights.IN_B`)
+    B runs it whole; with :attr:`CheckpointedWeights.RECOMPUTE_IN_W`, one
+    whose regions recompute alike (no ``context_fn``, RNG state preserved)
+    is called in W in a group of W's own, so its region recomputes there,
+    and B runs the others whole. ``K`` is every weight-side node (accumulators included)
+    below the weight edges of what B runs whole, closed so that nothing
+    outside it sends into it: an intermediate with a weight edge into ``K``
+    joins them (and what lies below its weight edges joins ``K``), and so
+    does a weight-only node with a child in ``K``. B's engine then runs each
+    node of ``K`` once, with its complete gradient, and W runs none of them;
+    nothing W runs reaches ``K``.
     """
     # A custom Function's own saved tensors never matter here: B runs it whole
     # and nothing unpacks them again.
@@ -61,7 +75,8 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
     checkpointed = {
         item for item in graph.intermediates if item not in in_b and has_hooked_saved(item.node)
     }
-    in_b |= checkpointed
+    holders = {item: _holders_for_w(item.node, policy) for item in checkpointed}
+    in_b |= {item for item, held in holders.items() if held is None}
     # A node whose weight-only call crashes this torch computes both parts in B.
     in_b |= {
         item for item in graph.intermediates if item not in in_b and crashes_weight_only(item.node)
@@ -73,13 +88,38 @@ def weight_parts_in_b(graph: StageGraph) -> tuple[set[Intermediate], set[Node], 
     # masks), never in W after all of B's.
     hooked = [n for n in graph.weight_nodes if has_hooked_saved(n)]
     has_checkpoints = bool(checkpointed or hooked)
-    if not graph.intermediates:
-        # B computes no weight part at all: W runs the whole weight side.
-        return in_b, in_k, has_checkpoints
-    if not in_b and not hooked:
-        return in_b, in_k, has_checkpoints
-    _close(graph, in_b, in_k, hooked)
-    return in_b, in_k, has_checkpoints
+    if graph.intermediates and (in_b or hooked):
+        _close(graph, in_b, in_k, hooked)
+    twice = [h for item, held in holders.items() if item not in in_b and held for h in held]
+    return in_b, in_k, has_checkpoints, twice
+
+
+def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[Any, ...] | None:
+    """The checkpoint holders of a checkpointed intermediate W calls again (None: B runs it whole)."""
+    if policy is CheckpointedWeights.IN_B or _has_post_hooks(node):
+        # A node post hook sees input and weight gradients together only if B
+        # computes both (a split W call would be refused for it).
+        return None
+    # None for saved tensors other hooks packed (offloading, a user's own):
+    # their unpack cannot be told to run twice, nor their region recomputed.
+    holders = checkpoint_holders(node)
+    if holders is None or policy is CheckpointedWeights.IN_W:
+        return holders
+    # RECOMPUTE_IN_W: W unpacks in a group of its own, so the region
+    # recomputes there; only where that gives B's tensors again.
+    return () if recomputes_alike(node) else None
+
+
+def _has_post_hooks(node: Node) -> bool:
+    probe = node.register_hook(_no_hook)
+    try:
+        return has_other_post_hooks(probe)
+    finally:
+        probe.remove()
+
+
+def _no_hook(grad_inputs: Any, grad_outputs: Any) -> None:
+    return None
 
 
 def _close(graph: StageGraph, in_b: set[Intermediate], in_k: set[Node], hooked: list[Node]) -> None:

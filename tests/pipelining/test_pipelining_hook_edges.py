@@ -18,7 +18,13 @@ from _hook_split import assert_same as _assert_same
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import (
+    CheckpointedWeights,
+    SplitBackwardError,
+    checkpointed_weights,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 pytestmark = pytest.mark.usefixtures("fp64")
 
@@ -443,7 +449,8 @@ def test_w_on_another_thread_runs_a_tied_weights_hooks_while_b_captures_its_grad
 
     Stage A's B blocks in a hook inside its engine call, where it captures the tied weight's
     gradient; stage B's W, run then on the main thread, delivers the tied weight: its tensor
-    hook (x2) ran in neither, so ``.grad`` was half a fused backward's.
+    hook (x2) ran in neither, so ``.grad`` was half a fused backward's. (B captures weight
+    gradients of checkpointed ops with ``CheckpointedWeights.IN_B``.)
     """
     import threading
 
@@ -464,11 +471,12 @@ def test_w_on_another_thread_runs_a_tied_weights_hooks_while_b_captures_its_grad
             hidden.register_hook(lambda g: (inside.set(), release.wait(30), None)[2])
         out = checkpoint(lambda t: torch.tanh(t @ tied), hidden, use_reentrant=False)
         handoffs: list[Any] = []
-        thread = threading.Thread(
-            target=lambda: handoffs.append(
-                stage_backward_input([out], [gs[0]], [xs[0]], params[0])[1]
-            )
-        )
+
+        def b() -> None:
+            with checkpointed_weights(CheckpointedWeights.IN_B):
+                handoffs.append(stage_backward_input([out], [gs[0]], [xs[0]], params[0])[1])
+
+        thread = threading.Thread(target=b)
         thread.start()
         try:
             assert not concurrent or inside.wait(30), "B never reached its hook"
@@ -492,7 +500,8 @@ def test_two_threads_capturing_a_tied_weight_at_once_leave_its_hooks_in_place() 
     Each B silences the weight's hooks while it captures its gradient. B on thread 1 starts,
     B on thread 2 starts, thread 1 ends first: the weight's hooks must be its own again once
     both are done (thread 2 put back what it found, thread 1's stand-in: the hook was gone
-    for good), and each W runs the hook once, as two fused backwards do.
+    for good), and each W runs the hook once, as two fused backwards do. (B captures weight
+    gradients of checkpointed ops with ``CheckpointedWeights.IN_B``.)
     """
     import threading
 
@@ -529,7 +538,8 @@ def test_two_threads_capturing_a_tied_weight_at_once_leave_its_hooks_in_place() 
             if i == 1 and not first_in.wait(30):
                 raise TimeoutError("the first B never started")
             outs[i].grad_fn.register_prehook(lambda grads: hidden_hooks[i](grads[0]))  # type: ignore[union-attr]
-            handoffs[i] = stage_backward_input([outs[i]], [gs[i]], [xs[i]], params[i])[1]
+            with checkpointed_weights(CheckpointedWeights.IN_B):
+                handoffs[i] = stage_backward_input([outs[i]], [gs[i]], [xs[i]], params[i])[1]
         except BaseException as exc:
             errors.append(exc)
         finally:

@@ -10,7 +10,11 @@ each B and W, and what is alive after it.
 Stages: Linear + tanh layers (weight- and activation-dominated), pre-norm MLP
 blocks, and transformer blocks (LayerNorm, attention, MLP) under a head tied to
 an embedding another stage owns (the parameter is in this stage's weights too),
-with and without an activation-checkpointed MLP.
+with and without an activation-checkpointed MLP. On a checkpointed stage the split compared
+is ``CheckpointedWeights.IN_B`` (B computes the checkpointed ops' weight gradients, allowed
+for as kept bytes); the default ``IN_W`` keeps B's recomputed tensors for W and holds at most
+what the stage without checkpointing holds, and ``RECOMPUTE_IN_W`` no more than torch's split
+between B and W (both in test_pipelining_balance.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
 from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import (
+    CheckpointedWeights,
+    checkpointed_weights,
+    stage_backward_input,
+    stage_backward_weight,
+)
 from gradsafe.testing import LiveStorage
 
 # gradsafe's helper nodes allocate a few scalars (anchors): bytes, not gradients.
@@ -221,9 +230,11 @@ def test_split_holds_no_more_than_torchs_split_at_any_point(
 ) -> None:
     """At every point, gradsafe holds at most what torch's split holds, plus the stage's
     allowance (none for Linear and MLP stages; see :func:`_first_weight_gradient` and
-    :func:`_kept_by_b` for the transformer stages)."""
+    :func:`_kept_by_b` for the transformer stages), with the checkpointed MLP's weight
+    gradients computed in B (``IN_B``)."""
     theirs, _, _ = _points("torch", _STAGES[stage], microbatches, grads_held, order)
-    ours, kept, model = _points("gradsafe", _STAGES[stage], microbatches, grads_held, order)
+    with checkpointed_weights(CheckpointedWeights.IN_B):
+        ours, kept, model = _points("gradsafe", _STAGES[stage], microbatches, grads_held, order)
     over = {
         name: (ours[name], theirs[name], allowed)
         for name in theirs
@@ -235,14 +246,16 @@ def test_split_holds_no_more_than_torchs_split_at_any_point(
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_b_keeps_weight_gradients_only_for_checkpointed_regions(checkpointed: bool) -> None:
-    """What B keeps for W is exactly the checkpointed MLP's weight gradients (or nothing)."""
-    _, kept, model = _points(
-        "gradsafe",
-        _STAGES["transformer, tied head" + ", checkpointed MLP" * checkpointed],
-        1,
-        False,
-        _ORDERS[0],
-    )
+    """What B keeps for W with ``IN_B`` is exactly the checkpointed MLP's weight gradients
+    (or nothing)."""
+    with checkpointed_weights(CheckpointedWeights.IN_B):
+        _, kept, model = _points(
+            "gradsafe",
+            _STAGES["transformer, tied head" + ", checkpointed MLP" * checkpointed],
+            1,
+            False,
+            _ORDERS[0],
+        )
     mlp = model.blocks[1].mlp  # type: ignore[index]
     expected = sum(p.numel() * p.element_size() for p in mlp.parameters()) * checkpointed
     assert kept["after B0"] == expected, kept

@@ -18,7 +18,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.pipelining import (
+    CheckpointedWeights,
+    checkpointed_weights,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 pytestmark = pytest.mark.usefixtures("fp64")
 
@@ -83,7 +88,15 @@ def _run(forward: Forward, split: bool) -> tuple[list[Any], Calls, dict[str, int
 
 
 def _assert_same(forward: Forward, in_b: tuple[str, ...] = ()) -> None:
-    """Split equals fused; the hooks named in ``in_b`` all ran in B (and W ran them no more)."""
+    """Split equals fused under every policy; with ``IN_B`` (where B computes ``K`` for
+    checkpointed ops as for offloaded ops and custom Functions), the hooks named in ``in_b``
+    all ran in B (and W ran them no more)."""
+    for policy in CheckpointedWeights:
+        with checkpointed_weights(policy):
+            _assert_same_under(forward, in_b if policy is CheckpointedWeights.IN_B else ())
+
+
+def _assert_same_under(forward: Forward, in_b: tuple[str, ...]) -> None:
     fused, fused_calls, _ = _run(forward, split=False)
     split, split_calls, after_b = _run(forward, split=True)
     assert split_calls.counts() == fused_calls.counts()

@@ -49,6 +49,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   :func:`engine_error` reads it;
 - ``torch.utils.checkpoint.GraphExecGroup``: makes B and W one checkpoint
   group, so a checkpointed region recomputes once across both;
+  ``torch.utils.checkpoint._Holder`` and its ``handles`` dict (reached
+  through ``SavedTensor.data``): a checkpointed node's saved tensors unpack
+  once in B and once more in W from the one recomputation;
 - torch bugs a split's weight-only call of a built-in node reaches (GroupNorm's
   weight-only backward on a channels_last input segfaults on 2.13): probed once
   per process in a subprocess, where a crash cannot take the caller down;
@@ -67,7 +70,7 @@ and :func:`missing_feature` reports it before the patch is applied:
   probes ``torch._utils._get_available_device_type`` / ``_get_device_module``,
   which torchtitan reads once at import to pick its device.
 
-By topic, one module each: :mod:`._nodes` (node kinds, input metadata,
+By topic, one module each: :mod:`._checkpoint` (checkpoint holders), :mod:`._nodes` (node kinds, input metadata,
 saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
 (the engine's entry points, callbacks, the checkpoint group, its errors),
 :mod:`._state` (RNG, FSDP2, modules' tensors, device probes) and :mod:`._probe`
@@ -77,7 +80,8 @@ saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
 from __future__ import annotations
 
 # Each topic module's __all__ is the package's surface: listed once, there.
-from gradsafe.pipelining._torch import _engine, _hooks, _nodes, _probe, _state
+from gradsafe.pipelining._torch import _checkpoint, _engine, _hooks, _nodes, _probe, _state
+from gradsafe.pipelining._torch._checkpoint import *  # noqa: F403
 from gradsafe.pipelining._torch._engine import *  # noqa: F403
 from gradsafe.pipelining._torch._hooks import *  # noqa: F403
 from gradsafe.pipelining._torch._nodes import *  # noqa: F403
@@ -85,6 +89,7 @@ from gradsafe.pipelining._torch._probe import *  # noqa: F403
 from gradsafe.pipelining._torch._state import *  # noqa: F403
 
 __all__: list[str] = []
+__all__ += _checkpoint.__all__
 __all__ += _engine.__all__
 __all__ += _hooks.__all__
 __all__ += _nodes.__all__

@@ -39,6 +39,7 @@ __all__ = [
     "runs_whole",
     "saved_unusable",
     "saves_storage",
+    "saved_names",
     "saves_itself",
     "version",
 ]
@@ -143,7 +144,7 @@ def leaf_variable(node: Node) -> torch.Tensor | None:
 
 def has_hooked_saved(node: Node) -> bool:
     """Whether a built-in ``node`` saved a tensor through saved-tensor hooks (e.g. checkpointing)."""
-    for name in _saved_names(type(node)):
+    for name in saved_names(type(node)):
         saved = getattr(node, name)
         if isinstance(saved, (list, tuple)):
             if any(getattr(item, "unpack_hook", None) is not None for item in saved):
@@ -176,7 +177,7 @@ def saves_itself(node: Node) -> bool:
 
 @functools.cache
 def _saved_output_names(kind: type) -> tuple[str, ...]:
-    return tuple(name for name in _saved_names(kind) if name.startswith("_raw_saved_result"))
+    return tuple(name for name in saved_names(kind) if name.startswith("_raw_saved_result"))
 
 
 def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
@@ -190,11 +191,14 @@ def saved_unusable(node: Node) -> Literal["freed", "modified"] | None:
     """
     if is_python_node(node):
         return None
-    names = _saved_names(type(node))
+    names = saved_names(type(node))
     if not names:
         return None
+    # A checkpointed node's saved tensors are read packed: unpacking one here,
+    # outside the microbatch's checkpoint group, would recompute its region.
+    hooked = has_hooked_saved(node)
     try:
-        getattr(node, names[0].replace("_raw_saved_", "_saved_", 1))
+        getattr(node, names[0] if hooked else names[0].replace("_raw_saved_", "_saved_", 1))
     except RuntimeError as exc:
         return "modified" if is_modified_in_place(exc) else "freed"
     return None
@@ -222,10 +226,15 @@ def freed_storages(leaves: Sequence[torch.Tensor]) -> set[int]:
 def saves_storage(node: Node, storages: set[int]) -> bool:
     """Whether ``node`` saved a tensor whose storage is one of ``storages`` (a leaf, or a view of one).
 
-    Unpacks the saved tensors: only for nodes whose saved tensors come back
-    without hooks, which are those W calls. A custom Function's node is read
+    Unpacks the saved tensors where they come back without hooks. A node
+    whose saved tensors come back through hooks (a checkpointed op W calls)
+    is not unpacked (that would recompute its region outside the
+    microbatch's group): it counts as saving one, so that W refuses rather
+    than risk reading freed memory. A custom Function's node is read
     through ``saved_tensors``.
     """
+    if has_hooked_saved(node):
+        return bool(storages)
     if is_python_node(node):
         try:
             saved: Any = node.saved_tensors  # type: ignore[attr-defined]
@@ -234,7 +243,7 @@ def saves_storage(node: Node, storages: set[int]) -> bool:
         tensors = list(saved)
     else:
         tensors = []
-        for name in _saved_names(type(node)):
+        for name in saved_names(type(node)):
             try:
                 value = getattr(node, name.replace("_raw_saved_", "_saved_", 1))
             except RuntimeError:
@@ -256,7 +265,8 @@ def is_modified_in_place(exc: BaseException) -> bool:
 
 
 @functools.cache
-def _saved_names(kind: type) -> tuple[str, ...]:
+def saved_names(kind: type) -> tuple[str, ...]:
+    """The ``_raw_saved_*`` attributes of built-in node class ``kind`` (its saved tensors, packed)."""
     # Each built-in node kind is its own class; dir() per node would cost more
     # than the rest of B's bookkeeping for it.
     return tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
@@ -302,6 +312,8 @@ def crashes_weight_only(node: Node) -> bool:
             _CRASH_KINDS[kind] = probed
     if not probed:
         return False
+    if has_hooked_saved(node):
+        return True  # its saved input is not unpacked here (a checkpoint would recompute)
     saved = getattr(node, "_saved_input", None)
     if not isinstance(saved, torch.Tensor) or saved.dim() not in (4, 5) or saved.is_contiguous():
         return False

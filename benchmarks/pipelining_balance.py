@@ -1,0 +1,104 @@
+"""How each split divides a checkpointed stage's backward between B and W (issue 29).
+
+Run: PYTHONPATH=. python benchmarks/pipelining_balance.py [--d 128] [--blocks 2] [--torchtitan]
+Prints the torch version and machine, then, for a stage of MLP blocks
+(LayerNorm, Linear d->4d, GELU, Linear 4d->d; float64) without checkpointing,
+with every block checkpointed (``use_reentrant=False``) and with selective
+checkpointing saving the matmuls' outputs (torchtitan's "op" SAC), at 0.25*d,
+d and 4*d tokens per microbatch: per split (gradsafe under each
+``CheckpointedWeights`` policy, torch's own, and a fused backward) the matmul
+MFLOP run in B and in W, W's share of the backward's own matmul FLOPs
+(recomputation not counted), how many forwards' worth of matmuls the
+backward recomputes, and the bytes alive between B and W (absolute, and over
+the same stage's without checkpointing). Counted, not timed
+(gradsafe/pipelining/_balance.py), so any machine prints the same figures.
+``--torchtitan`` (torchtitan 0.3.0 installed, torch >= 2.14) also prints, per
+policy, the matmul MFLOP in B and W of the middle stages of torchtitan's
+llama3 debugmodel, stages built as ``gradsafe verify --torchtitan`` builds
+them for ZBV on 2 ranks (torchtitan's default selective AC), one microbatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+from gradsafe.pipelining import (
+    CheckpointedWeights,
+    checkpointed_weights,
+    stage_backward_input,
+    stage_backward_weight,
+)
+from gradsafe.pipelining._balance import Split, counted_flops, measure
+
+SPLITS: tuple[Split, ...] = (*CheckpointedWeights, "torch", "fused")
+
+
+def _name(split: Split) -> str:
+    return split.name if isinstance(split, CheckpointedWeights) else split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--torchtitan", action="store_true")
+    args = parser.parse_args()
+    d = args.d
+    print(f"torch {torch.__version__}, {platform.machine()}, d={d}, {args.blocks} blocks, float64")
+    header = (
+        f"{'tokens':>6} {'checkpointing':<10} {'split':<15} {'B MFLOP':>9} {'W MFLOP':>9} "
+        f"{'W share':>8} {'recomputes':>10} {'held B->W':>11} {'/ no AC':>8}"
+    )
+    print(header)
+    for tokens in (d // 4, d, 4 * d):
+        plain = measure(CheckpointedWeights.IN_W, "none", tokens, d, args.blocks).held
+        for checkpointing in ("none", "full", "selective"):
+            for split in SPLITS:
+                name = _name(split)
+                try:
+                    r = measure(split, checkpointing, tokens, d, args.blocks)  # type: ignore[arg-type]
+                except RuntimeError as exc:
+                    print(f"{tokens:>6} {checkpointing:<10} {name:<15} crash: {str(exc)[:60]}")
+                    continue
+                share = "" if split == "fused" else f"{r.w_share:.3f}"
+                held = "" if split == "fused" else f"{r.held:>11,d} {r.held / plain:>8.2f}"
+                print(
+                    f"{tokens:>6} {checkpointing:<10} {name:<15} {r.b / 1e6:>9.1f} "
+                    f"{r.w / 1e6:>9.1f} {share:>8} {r.recomputes:>10.2f} {held}"
+                )
+    if args.torchtitan:
+        torchtitan_stages()
+
+
+def torchtitan_stages() -> None:
+    from gradsafe.pipelining._verify_torchtitan import build_stages
+
+    stages, microbatches, _ = build_stages("llama3", "ZBVZeroBubble", 2)
+    print("torchtitan llama3 debugmodel, ZBV on 2 ranks, middle stages, one microbatch")
+    for policy in CheckpointedWeights:
+        h: torch.Tensor = microbatches[0][0]
+        pairs = []
+        for i, stage in enumerate(stages):
+            x = h.detach().requires_grad_() if i else h
+            h = stage(x)
+            pairs.append((x, h))
+        for i in range(1, len(stages) - 1):
+            x, out = pairs[i]
+            params = list(stages[i].parameters())
+            with checkpointed_weights(policy), counted_flops() as b:
+                _, handoff = stage_backward_input(out, torch.ones_like(out), [x], params)
+            with counted_flops() as w:
+                stage_backward_weight(params, handoff)
+            grads = b.total - b.in_forward + w.total
+            print(
+                f"  {policy.name:<15} stage {i}: B {b.total / 1e6:.1f} MFLOP "
+                f"(recomputation {b.in_forward / 1e6:.1f}), W {w.total / 1e6:.1f} MFLOP, "
+                f"W share {w.total / grads:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
