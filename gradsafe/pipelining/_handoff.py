@@ -139,6 +139,17 @@ def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardErr
     )
 
 
+def _keeps_type(cause: BaseException) -> bool:
+    """Whether ``cause`` must reach the caller as itself: a SplitBackwardError is not caught by its ``except``.
+
+    torch raises a plain ``RuntimeError`` for what gradsafe words (saved tensors
+    freed or modified in place, a node W cannot call); anything more specific
+    (``torch.OutOfMemoryError``, a ``ValueError`` from a node) is caught by a
+    clause a ``SplitBackwardError`` would slip past.
+    """
+    return not isinstance(SplitBackwardError(""), type(cause))
+
+
 class HandoffState(enum.Enum):
     """Where a :class:`WeightGradHandoff` is in its life."""
 
@@ -310,8 +321,19 @@ class WeightGradHandoff:
         """Leave the hand-off FAILED and raise ``exc`` (or the error gradsafe words for it)."""
         state = _changed(progress)
         error: BaseException | None = None
-        if isinstance(exc, IntermediateFailed):
+        if isinstance(exc, IntermediateFailed) and not _keeps_type(exc.cause):
             error = _intermediate_error(exc, state)
+        elif isinstance(exc, IntermediateFailed):
+            # torch's own error of a more specific type (out of memory, say): what callers
+            # catch, as from torch's W; gradsafe's context goes in a note.
+            cause = exc.cause
+            self._finish(HandoffState.FAILED, f"{type(cause).__name__}: {cause}")
+            if hasattr(cause, "add_note"):  # Python 3.11+
+                cause.add_note(
+                    f"gradsafe: raised while W computed the weight gradients of {exc.node_name} "
+                    f"(calling that node's backward directly). {state}"
+                )
+            raise cause from cause.__cause__
         elif isinstance(exc, RuntimeError) and engine_error(exc) == "donated_buffer":
             # The shared text says nothing changed; W says what did.
             error = SplitBackwardError(DONATED_BUFFERS.split(" (no parameter")[0] + ". " + state)
