@@ -22,16 +22,18 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 
-# 2.11.0 is the declared minimum and the newest release where the pipelining
-# and DTensor hazards are native; 2.13.0 the local CPU build; 2.14.1 moved
-# DTensor strategies into single-dim tables; 2.15.0 is the newest release (its
-# Graphed Function takes a leading tuple of graphs). All but 2.13.0 are CUDA
-# builds that run on CPU. Every session runs the whole suite, gloo tests
-# included: behaviour differs between each of these releases. torch 2.10 is not
+# Every minor release from the declared minimum on: 2.11.0 is the minimum;
+# 2.12.1 the newest release where the pipelining (H1) and DTensor (H2) hazards
+# are native (its in-place add_ keeps every Partial reduce op, 2.11's only sum
+# and avg); 2.13.0 the local CPU build; 2.14.1 moved DTensor strategies into
+# single-dim tables; 2.15.0 is the newest release (its Graphed Function takes a
+# leading tuple of graphs). All but 2.13.0 are CUDA builds that run on CPU.
+# Every session runs the whole suite, gloo tests included: behaviour differs
+# between each of these releases. torch 2.10 is not
 # supported: its DTensor adds a scalar to a Partial(sum) tensor on every rank
 # and its copy_ redistributes Partial(max), so the H2 fix cannot be installed
 # there without changing values (docs/dtensor.md).
-TORCH_VERSIONS = ["2.13.0", "2.15.0", "2.11.0", "2.14.1"]
+TORCH_VERSIONS = ["2.13.0", "2.15.0", "2.11.0", "2.12.1", "2.14.1"]
 # The Pythons pyproject.toml declares besides 3.11 (where every torch above
 # runs), each with the newest torch built for it (torch 2.15 has no build for
 # Python 3.10; 2.14.1 is the newest there): the README's two set-up commands

@@ -6,7 +6,9 @@ process group, never communicates, and leaves the caches alone. It answers
 through whatever table the propagator consults first. It creates one small
 CPU tensor per mesh (the rank grid, explicitly on the CPU) and no autograd
 state, so it gives the same answer under ``torch.no_grad()``,
-``torch.inference_mode()`` and ``with torch.device("meta")``.
+``torch.inference_mode()`` and ``with torch.device("meta")``. While
+``gradsafe.patch("dtensor")`` is applied the propagator consults gradsafe's
+strategy, so the probe then answers for it, not for upstream: ask it before.
 """
 
 from __future__ import annotations

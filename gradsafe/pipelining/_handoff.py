@@ -169,15 +169,22 @@ class KernelWeightGrads:
                 if grad is not None:
                     kept.append(Kept(grad, self.targets[id(param)], 0, memory.shared_by(grad)))
         except BaseException as exc:
-            raise SplitBackwardError(
-                f"W stopped while running a custom Function's delayed weight gradient "
-                f"({type(exc).__name__}: {exc}); no .grad changed"
+            context = (
+                "W stopped while running a custom Function's delayed weight gradient; no .grad "
+                "changed"
                 + (
                     f"; the main_grad of the {fused} parameter(s) that have one may include part of it"
                     if fused
                     else ""
                 )
-                + ". Fix the kernel's closure; then zero the gradients and redo the step."
+            )
+            if _keeps_type(exc):  # out of memory, a kernel's own error: what callers catch
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"gradsafe: {context}.")
+                raise
+            raise SplitBackwardError(
+                f"{context} ({type(exc).__name__}: {exc}). Fix the kernel's closure; then zero the "
+                "gradients and redo the step."
             ) from exc
         return kept
 
@@ -225,6 +232,17 @@ def _kernel_scope(graph: StageGraph, nodes: Sequence[Node]) -> Iterator[KernelWe
             )
     kernels.deferred = deferred
     kernels.targets = {id(p): targets[id(p)] for p in deferred.params}
+
+
+def _keeps_type(cause: BaseException) -> bool:
+    """Whether ``cause`` must reach the caller as itself: a SplitBackwardError is not caught by its ``except``.
+
+    torch raises a plain ``RuntimeError`` for what gradsafe words (saved tensors
+    freed or modified in place, a node W cannot call); anything more specific
+    (``torch.OutOfMemoryError``, a ``ValueError`` from a node) is caught by a
+    clause a ``SplitBackwardError`` would slip past.
+    """
+    return not isinstance(SplitBackwardError(""), type(cause))
 
 
 class HandoffState(enum.Enum):
@@ -405,8 +423,19 @@ class WeightGradHandoff:
         """Leave the hand-off FAILED and raise ``exc`` (or the error gradsafe words for it)."""
         state = _changed(progress)
         error: BaseException | None = None
-        if isinstance(exc, IntermediateFailed):
+        if isinstance(exc, IntermediateFailed) and not _keeps_type(exc.cause):
             error = _intermediate_error(exc, state)
+        elif isinstance(exc, IntermediateFailed):
+            # torch's own error of a more specific type (out of memory, say): what callers
+            # catch, as from torch's W; gradsafe's context goes in a note.
+            cause = exc.cause
+            self._finish(HandoffState.FAILED, f"{type(cause).__name__}: {cause}")
+            if hasattr(cause, "add_note"):  # Python 3.11+
+                cause.add_note(
+                    f"gradsafe: raised while W computed the weight gradients of {exc.node_name} "
+                    f"(calling that node's backward directly). {state}"
+                )
+            raise cause from cause.__cause__
         elif isinstance(exc, RuntimeError) and engine_error(exc) == "donated_buffer":
             # The shared text says nothing changed; W says what did.
             error = SplitBackwardError(DONATED_BUFFERS.split(" (no parameter")[0] + ". " + state)

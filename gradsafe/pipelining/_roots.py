@@ -40,10 +40,35 @@ class Root(
 
 
 def collect_roots(output: Any, grad: Any) -> list[Root]:
-    """Every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (None: a loss)."""
+    """Every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (None: a loss).
+
+    Roots whose missing gradient cannot be implied are refused together, once
+    every root is seen: as a :class:`GradientEdgeRootError` (an
+    ``AssertionError``, as torch's B raises for a ``GradientEdge`` root without
+    output gradients) if any root without a gradient is a ``GradientEdge``,
+    whatever its position among the outputs.
+    """
     roots: list[Root] = []
-    _collect_roots(output, grad, "", roots, grad is None)
+    implied: list[_Implied] = []
+    _collect_roots(output, grad, "", roots, grad is None, implied)
+    refused = [i for i in implied if i.refused]
+    if refused:
+        paths = ", ".join(i.path for i in refused)
+        error = GradientEdgeRootError if any(i.edge for i in implied) else SplitBackwardError
+        raise error(
+            f"stage output(s) {paths} require grad but their output gradient is None, and a "
+            "gradient can only be implied for a single-element output (a loss). Pass their "
+            "gradients, or zero tensors where they get none."
+        )
     return roots
+
+
+class _Implied(NamedTuple):
+    """A root whose output gradient is None: implied (ones), or refused (more than one element)."""
+
+    path: str
+    edge: bool
+    refused: bool
 
 
 def _implied_grad(
@@ -51,18 +76,23 @@ def _implied_grad(
     path: str,
     dtype: torch.dtype,
     device: torch.device,
-    error: type[SplitBackwardError] = SplitBackwardError,
-) -> torch.Tensor:
-    if math.prod(shape) != 1:
-        raise error(
-            f"stage output {path} requires grad but its output gradient is None, and a gradient "
-            "can only be implied for a single-element output (a loss). Pass its gradient, or a "
-            "zero tensor if it gets none."
-        )
-    return torch.ones(shape, dtype=dtype, device=device)
+    implied: list[_Implied],
+    edge: bool,
+) -> torch.Tensor | None:
+    """Ones for a single-element root (a loss), else None; either way noted in ``implied``."""
+    refused = math.prod(shape) != 1
+    implied.append(_Implied(path, edge, refused))
+    return None if refused else torch.ones(shape, dtype=dtype, device=device)
 
 
-def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied: bool) -> None:
+def _collect_roots(
+    output: Any,
+    grad: Any,
+    path: str,
+    roots: list[Root],
+    implied: bool,
+    implied_roots: list[_Implied],
+) -> None:
     """Pair every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (same nesting).
 
     A None gradient for a tuple/list/dict means no gradient flows there (as in
@@ -84,7 +114,11 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
                 )
             return  # an output without a graph carries no gradient
         if grad is None:
-            grad = _implied_grad(output.shape, path, output.dtype, output.device)
+            grad = _implied_grad(
+                output.shape, path, output.dtype, output.device, implied_roots, False
+            )
+            if grad is None:
+                return
         elif grad.shape != output.shape:
             raise SplitBackwardError(
                 f"stage output {path} has shape {tuple(output.shape)} but its output gradient "
@@ -99,7 +133,9 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
             )
         shape, dtype, device = input_meta(output.node, output.output_nr)
         if grad is None:
-            grad = _implied_grad(shape, path, dtype, device, GradientEdgeRootError)
+            grad = _implied_grad(shape, path, dtype, device, implied_roots, True)
+            if grad is None:
+                return
         elif grad.shape != shape:
             raise SplitBackwardError(
                 f"GradientEdge {path} expects a gradient of shape {tuple(shape)}, got "
@@ -117,7 +153,12 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
             )
         for index, item in enumerate(output):
             _collect_roots(
-                item, None if grad is None else grad[index], f"{path}[{index}]", roots, implied
+                item,
+                None if grad is None else grad[index],
+                f"{path}[{index}]",
+                roots,
+                implied,
+                implied_roots,
             )
     elif isinstance(output, dict):
         if grad is not None and (not isinstance(grad, dict) or set(grad) != set(output)):
@@ -127,7 +168,12 @@ def _collect_roots(output: Any, grad: Any, path: str, roots: list[Root], implied
             )
         for key, item in output.items():
             _collect_roots(
-                item, None if grad is None else grad[key], f"{path}[{key!r}]", roots, implied
+                item,
+                None if grad is None else grad[key],
+                f"{path}[{key!r}]",
+                roots,
+                implied,
+                implied_roots,
             )
     elif not isinstance(output, _INERT):
         raise SplitBackwardError(

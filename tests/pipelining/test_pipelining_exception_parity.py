@@ -33,6 +33,15 @@ def _edge_without_grads() -> tuple[Any, ...]:
     return [get_gradient_edge(lin(x))], None, [x], lin.parameters()
 
 
+def _output_then_edge_without_grads() -> tuple[Any, ...]:
+    # torch checks the edge whatever comes before it; a non-scalar output first
+    # once made gradsafe refuse that output instead, as a plain SplitBackwardError.
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    y = lin(x)
+    return [y * 2, get_gradient_edge(y)], None, [x], lin.parameters()
+
+
 def _grad_of_wrong_type() -> tuple[Any, ...]:
     lin = nn.Linear(3, 3)
     x = torch.randn(2, 3, requires_grad=True)
@@ -54,10 +63,20 @@ def test_a_gradient_edge_root_without_output_gradients_is_an_assertion_error_too
     assert isinstance(raised.value, RuntimeError)
 
 
+def test_a_gradient_edge_root_without_gradients_is_an_assertion_error_after_another_output() -> (
+    None
+):
+    with pytest.raises(GradientEdgeRootError) as raised:
+        stage_backward_input(*_output_then_edge_without_grads())
+    assert isinstance(raised.value, AssertionError)
+    assert "[0], [1]" in str(raised.value)  # both roots without a gradient are named
+
+
 @pytest.mark.parametrize(
     "case, split",
     [
         (_edge_without_grads, "stage_backward_input"),
+        (_output_then_edge_without_grads, "stage_backward_input"),
         (_grad_of_wrong_type, "stage_backward_input"),
         (_grad_of_wrong_type, "stage_backward"),
     ],

@@ -446,3 +446,29 @@ def test_a_closure_returning_the_input_gradient_reaches_w_hooks_as_a_copy() -> N
     stage_backward_weight([w], handoff)
     torch.testing.assert_close(dx, g, rtol=0, atol=0)
     torch.testing.assert_close(w.grad, 3 * g, rtol=0, atol=0)
+
+
+def test_out_of_memory_in_a_kernels_closure_reaches_the_caller_as_itself(example) -> None:  # type: ignore[no-untyped-def]
+    class OutOfMemory(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # type: ignore[no-untyped-def, override]
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+            x, w = ctx.saved_tensors
+
+            def compute(_: Any) -> Any:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+            split_wgrad_store(ctx).record(w, compute, accumulate_into_main_grad=False)
+            return g @ w, None
+
+    w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    _, handoff = stage_backward_input(OutOfMemory.apply(x, w), torch.ones(2, 3), [x], [w])
+    with pytest.raises(torch.OutOfMemoryError, match="injected") as caught:
+        stage_backward_weight([w], handoff)
+    assert any("delayed weight gradient" in note for note in getattr(caught.value, "__notes__", []))
+    assert w.grad is None and handoff.state.value == "failed"

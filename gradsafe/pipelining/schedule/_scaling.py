@@ -12,7 +12,11 @@ still adding to it: neither the sum over microbatches nor its mean.
 gradsafe records which parameters a multi-stage schedule's stages share
 (:class:`SharedParameters`) when the schedule is built and again as each
 ``step`` starts (so a schedule built before ``gradsafe.patch()`` is covered,
-and a step that raised part-way leaves nothing behind). A shared parameter is divided once,
+and a step that raised part-way leaves nothing behind). A stage without a
+module (``submod`` not an ``nn.Module``: schedule planners and torch's own
+schedule tests build such stages to read ``pipeline_order``) holds no
+parameter, as in torch's own checks of its stages, and its ``scale_grads`` is
+torch's. A shared parameter is divided once,
 by the ``scale_grads`` call that completes the set of stages holding it: all
 of them have run their last backward, so the gradient is the step's sum. Every
 other parameter is divided as torch does, when its stage asks.
@@ -27,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
@@ -36,6 +41,12 @@ __all__ = [
     "registering_at_init",
     "registering_at_step",
 ]
+
+
+def _parameters(stage: Any) -> Iterable[torch.Tensor]:
+    """The parameters of ``stage``'s module; none where it has no module."""
+    submod = getattr(stage, "submod", None)
+    return submod.parameters() if isinstance(submod, nn.Module) else ()
 
 
 class _Shared:
@@ -75,7 +86,7 @@ class SharedParameters:
         """
         holders: dict[int, tuple[torch.Tensor, list[object]]] = {}
         for stage in stages:
-            for param in stage.submod.parameters():
+            for param in _parameters(stage):
                 holders.setdefault(id(param), (param, []))[1].append(stage)
         with self._lock:
             for param, holding in holders.values():
@@ -124,6 +135,9 @@ def once_per_gradient(original: Callable[[Any, int], None]) -> Callable[[Any, in
 
     @functools.wraps(original)
     def scale_grads(self: Any, grad_scale_factor: int) -> None:
+        if not isinstance(getattr(self, "submod", None), nn.Module):
+            original(self, grad_scale_factor)
+            return
         if grad_scale_factor == 1:
             return
         for param in self.submod.parameters():
