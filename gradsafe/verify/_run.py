@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import math
 import time
@@ -25,8 +24,8 @@ from torch.nn.parameter import is_lazy
 
 from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining.inspection import apply_to_tensors
-from gradsafe.verify import _graph_scan
-from gradsafe.verify._hooks import HookCounter
+from gradsafe.verify import _graph_scan, _isolate
+from gradsafe.verify._hooks import HookCounter, parameter_hooks
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -224,9 +223,16 @@ def _run(
 ) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
-    copies = _fresh_copies(modules, dtype)
+    copies, loss_fn, copied_hooks = _fresh_copies(modules, loss_fn, dtype)
     counter = HookCounter()
-    counter.instrument_copies(list(zip(prefixes, modules, copies)))
+    counter.instrument_copies(list(zip(prefixes, modules, copies)), copied_hooks)
+    # The last stage's B and W also cover the parameters the loss holds (a learned temperature).
+    stage_params = [list(c.parameters()) for c in copies]
+    held = _isolate.loss_parameters(loss_fn, copies[-1])
+    for p in held.values():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    stage_params[-1] += held.values()
     result = RunResult({}, {}, {}, counter.counts)
     if find_hazards and counter.hooked:
         result.hazards[_graph_scan.HOOKS_IN_W] = set(counter.hooked)
@@ -253,7 +259,7 @@ def _run(
                 with clock.timing():
                     out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
                     _backward(
-                        kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs
+                        kind, s, k, stage_params[s], split, inputs[s, k], out, grads, dinputs, handoffs
                     )
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
@@ -265,6 +271,8 @@ def _run(
     result.timing = (clock.wall, clock.cpu)
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result)
+    result.params |= {n: None if p.grad is None else p.grad.detach().clone() for n, p in held.items()}
+    result.shapes |= {n: tuple(p.shape) for n, p in held.items()}
     _record_values(modules, copies, prefixes, result)
     return result
 
@@ -292,14 +300,24 @@ class _BackwardClock:
         self.wall += time.perf_counter() - started
 
 
-def _fresh_copies(modules: Sequence[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
-    """The stages deep-copied, cast to ``dtype``, without gradients. One deep copy of all
-    stages: a parameter two stages share (tied embeddings on a V-shaped rank) stays shared."""
-    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
+def _fresh_copies(
+    modules: Sequence[nn.Module], loss_fn: LossFn | None, dtype: torch.dtype
+) -> tuple[list[nn.Module], LossFn | None, dict[int, Callable[..., Any]]]:
+    """The stages, the loss and the parameters' hooks deep-copied together, cast to ``dtype``,
+    without gradients: a parameter two stages share (tied embeddings on a V-shaped rank)
+    stays shared, and a loss or hook closing over a stage's tensors closes over the copy's.
+    Raises if a copy still reaches one of the caller's tensors (it would change them)."""
+    hooks = parameter_hooks(modules)
+    copies, loss_copy, copied = _isolate.copy_together(modules, loss_fn, hooks)
+    caller = _isolate.caller_tensors(modules)
+    _isolate.refuse_reaching_caller("loss_fn", [loss_copy], caller)
+    roots = [*copied.values(), *_isolate.module_hooks(copies)]
+    _isolate.refuse_reaching_caller("a hook", roots, caller)
+    copies = [cast_module(c, dtype) for c in copies]
     for c in copies:
         for p in c.parameters():
             p.grad = None
-    return copies
+    return copies, loss_copy, copied
 
 
 def _record_gradients(
@@ -387,7 +405,7 @@ def _backward(
     kind: str,
     s: int,
     k: int,
-    copies: Sequence[nn.Module],
+    params: list[torch.Tensor],
     split: Split | None,
     args: tuple[Any, ...],
     out: tuple[Any, ...],
@@ -410,14 +428,14 @@ def _backward(
         if handoff is _FULL_IN_W:
             dinputs[s, k] = tuple(split.backward(out, grads, list(args)))
         else:
-            split.backward_weight(copies[s].parameters(), handoff)
+            split.backward_weight(iter(params), handoff)
         return
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         # As the schedule does for a first stage: no B, the whole backward in W's slot.
         handoffs[s, k] = _FULL_IN_W
         dinputs[s, k] = tuple(None for _ in args)
         return
-    dinput, handoffs[s, k] = split.backward_input(out, grads, list(args), copies[s].parameters())
+    dinput, handoffs[s, k] = split.backward_input(out, grads, list(args), iter(params))
     dinputs[s, k] = tuple(dinput)
 
 

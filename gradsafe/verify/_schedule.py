@@ -225,16 +225,23 @@ def _reference(
     """
     ordered: list[Any] = [None] * len(stages)
     for indices in where.values():
-        built = list(load_factory(spec)[0])
+        built, _, *rest = load_factory(spec)
         for i in indices:
-            ordered[i] = built[i]
+            ordered[i] = list(built)[i]
             ordered[i].load_state_dict(stages[i].state_dict())
+        if len(stages) - 1 in indices and rest:
+            loss = rest[0]  # the loss of the build that holds the last stage (it may close over it)
     reference = _run.run(ordered, batches, loss, dtype, None, None, 0)
     if reference.error is not None:
         raise RuntimeError(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}"
         )
     _refuse_consumed_gradients(reference)
+    # A schedule's step (scale_grads=True, its default) gives the averaged loss's gradient.
+    reference.params = {
+        name: None if grad is None else grad / len(batches)
+        for name, grad in reference.params.items()
+    }
     return reference
 
 
