@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradsafe.pipelining import SplitBackwardError
-from gradsafe.verify import _run
+from gradsafe.verify import _isolate, _run
 from gradsafe.verify._report import (
     CRASH,
     EXACT,
@@ -128,6 +128,20 @@ def verify(
             memory=count,
         )
 
+    with _isolate.python_rng_kept():
+        return _verify(one, modules, batches, dtype, orders, time_backward, memory)
+
+
+def _verify(
+    one: Callable[..., RunResult],
+    modules: list[nn.Module],
+    batches: list[tuple[Any, ...]],
+    dtype: torch.dtype,
+    orders: Sequence[str],
+    time_backward: bool,
+    memory: bool,
+) -> VerifyReport:
+    """``verify``'s runs: the reference twice, then each split in each order."""
     if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
         one(None, None, "fused backward (warm-up for timing)")
     reference = one(None, None, "fused backward (reference)")
@@ -136,17 +150,43 @@ def verify(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}; "
             "verify needs a model whose ordinary backward runs."
         ) from reference.error
+    _refuse_unreproducible(
+        reference, one(None, None, "fused backward again (reproducible?)"), dtype
+    )
     runs: dict[str, dict[str, RunResult]] = {"gradsafe": {}, "upstream": {}}
     for order in orders:
         runs["gradsafe"][order] = one(_gradsafe_split(), order, f"gradsafe's split, {order}")
         runs["upstream"][order] = one(_torch_split(), order, f"torch's split, {order}")
     peaks = None
     if memory:
-        peaks = _peaks(reference, runs) if count_in_checked_runs else _measure_peaks(one, orders)
+        peaks = _measure_peaks(one, orders) if time_backward else _peaks(reference, runs)
     report = _report(
         reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
     )
     return dataclasses.replace(report, memory=peaks)
+
+
+def _refuse_unreproducible(first: RunResult, second: RunResult, dtype: torch.dtype) -> None:
+    """Raise if two fused runs from the same seed disagree: then no split can be judged by them."""
+    if second.error is not None:
+        raise RuntimeError(
+            f"the model is not reproducible: its fused backward ran once and then failed "
+            f"({second.where}): {second.error!r}"
+        ) from second.error
+    first_values = {**first.params, **first.inputs, **first.values}
+    second_values = {**second.params, **second.inputs, **second.values}
+    for name in dict.fromkeys([*first_values, *second_values]):
+        err, ok = _run.compare(first_values.get(name), second_values.get(name), _TOLERANCE[dtype])
+        if not ok:
+            raise RuntimeError(
+                f"the model is not reproducible: two fused backwards from the same seed give "
+                f"{name} {err if isinstance(err, str) else f'{err:.3g} relative'} apart, so no "
+                "split can be judged against them. verify seeds torch's RNG for each run; the "
+                "usual causes are draws from Python's `random` or NumPy's RNG, a global counter "
+                "the forward reads (a step number, a cache), or a nondeterministic kernel "
+                "(torch.use_deterministic_algorithms(True) finds those). Make the forward "
+                "depend on torch's RNG only, or fix it, for the check."
+            )
 
 
 def _checked_arguments(

@@ -13,8 +13,11 @@ whose ``__deepcopy__`` returns itself) is refused by :func:`refuse_reaching_call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import random
+import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -27,6 +30,7 @@ __all__ = [
     "copy_together",
     "loss_parameters",
     "module_hooks",
+    "python_rng_kept",
     "refuse_reaching_caller",
 ]
 
@@ -91,9 +95,7 @@ def caller_tensors(modules: Sequence[nn.Module]) -> dict[int, str]:
     return named
 
 
-def refuse_reaching_caller(
-    what: str, roots: Iterable[Any], caller: dict[int, str]
-) -> None:
+def refuse_reaching_caller(what: str, roots: Iterable[Any], caller: dict[int, str]) -> None:
     """Raise if ``roots`` (the copies' loss and hooks) reach one of the ``caller`` tensors."""
     for path, value in _walk(roots, follow_globals=True):
         if id(value) in caller:
@@ -120,9 +122,7 @@ def loss_parameters(loss_fn: Any, stage: nn.Module) -> dict[str, nn.Parameter]:
     return found
 
 
-def _walk(
-    roots: Iterable[Any], follow_globals: bool, label: str = ""
-) -> Iterator[tuple[str, Any]]:
+def _walk(roots: Iterable[Any], follow_globals: bool, label: str = "") -> Iterator[tuple[str, Any]]:
     """(path, object) for what ``roots`` reach through closures, attributes, containers and modules."""
     seen: set[int] = set()
     stack = [(label or getattr(r, "__qualname__", type(r).__name__), r, 0) for r in roots]
@@ -196,3 +196,19 @@ def module_hooks(modules: Sequence[nn.Module]) -> list[Any]:
         if "hooks" in attr and isinstance(hooks, dict)
         for fn in hooks.values()
     ]
+
+
+@contextlib.contextmanager
+def python_rng_kept() -> Iterator[None]:
+    """Puts back Python's and (if loaded) NumPy's global RNG state on exit; torch's is
+    put back per run (``torch.random.fork_rng``). Not per run: a model drawing from them
+    must show up as not reproducible, not pass by being reseeded."""
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)

@@ -259,7 +259,16 @@ def _run(
                 with clock.timing():
                     out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
                     _backward(
-                        kind, s, k, stage_params[s], split, inputs[s, k], out, grads, dinputs, handoffs
+                        kind,
+                        s,
+                        k,
+                        stage_params[s],
+                        split,
+                        inputs[s, k],
+                        out,
+                        grads,
+                        dinputs,
+                        handoffs,
                     )
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
@@ -271,7 +280,9 @@ def _run(
     result.timing = (clock.wall, clock.cpu)
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result)
-    result.params |= {n: None if p.grad is None else p.grad.detach().clone() for n, p in held.items()}
+    result.params |= {
+        n: None if p.grad is None else p.grad.detach().clone() for n, p in held.items()
+    }
     result.shapes |= {n: tuple(p.shape) for n, p in held.items()}
     _record_values(modules, copies, prefixes, result)
     return result

@@ -192,3 +192,21 @@ def backward_in_loss() -> tuple[list[nn.Module], list[Any], Any]:
         return chunked(hidden, targets[k])
 
     return stages, xs, loss
+
+
+class _DrawsFromPython(nn.Module):
+    """Scales its output by a draw from Python's ``random``, which verify does not seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        return self.lin(x) * (1 + random.random())
+
+
+def python_random_forward() -> tuple[nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    return _DrawsFromPython(), _batches()
