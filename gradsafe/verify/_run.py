@@ -234,8 +234,9 @@ def _run(
             p.data = p.data.to(dtype)
     stage_params[-1] += held.values()
     result = RunResult({}, {}, {}, counter.counts)
-    if find_hazards and counter.hooked:
-        result.hazards[_graph_scan.HOOKS_IN_W] = set(counter.hooked)
+    hooked_in_w = _split_stage_names(counter.hooked, copies, prefixes)
+    if find_hazards and hooked_in_w:
+        result.hazards[_graph_scan.HOOKS_IN_W] = hooked_in_w
     inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     outputs: dict[tuple[int, int], Any] = {}
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -286,6 +287,18 @@ def _run(
     result.shapes |= {n: tuple(p.shape) for n, p in held.items()}
     _record_values(modules, copies, prefixes, result)
     return result
+
+
+def _split_stage_names(
+    names: set[str], copies: Sequence[nn.Module], prefixes: Sequence[str]
+) -> set[str]:
+    """Of the parameters ``names`` (as the first stage holding each names it), those a split's W
+    runs: not the first of several stages' own, which runs fused as a schedule runs it."""
+    if len(copies) == 1:
+        return set(names)
+    later = {id(p) for c in copies[1:] for p in c.parameters()}
+    first = {prefixes[0] + n: p for n, p in copies[0].named_parameters()}
+    return {n for n in names if n not in first or id(first[n]) in later}
 
 
 class _BackwardClock:

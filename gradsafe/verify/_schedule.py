@@ -76,6 +76,11 @@ class ScheduleReport:
     def ok(self) -> bool:
         return all(r.verdict == "right" for r in self.results["gradsafe"].values())
 
+    @property
+    def refused_only(self) -> bool:
+        """gradsafe refused the model on some rank (exit 2)."""
+        return self.refused is not None
+
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["results"] = {
@@ -84,7 +89,7 @@ class ScheduleReport:
         }
         data["ok"] = self.ok
         data["refused"] = self.refused
-        data["format"] = "gradsafe.verify-schedule/1"
+        data["format"] = "gradsafe.verify-schedule/2"  # 2: the step scales (scale_grads=True)
         return data
 
     def __str__(self) -> str:

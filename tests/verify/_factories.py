@@ -210,3 +210,15 @@ class _DrawsFromPython(nn.Module):
 def python_random_forward() -> tuple[nn.Module, list[Any]]:
     torch.manual_seed(0)
     return _DrawsFromPython(), _batches()
+
+
+def raises_in_factory() -> tuple[nn.Module, list[Any]]:
+    raise KeyError("no such checkpoint: step-7")
+
+
+def hooked_first_stage() -> tuple[list[nn.Module], list[Any]]:
+    """Two stages; a post-accumulate hook on the first only (which a schedule runs fused)."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    stages[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    return stages, _batches()
