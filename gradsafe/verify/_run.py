@@ -226,12 +226,9 @@ def _run(
     copies, loss_fn, copied_hooks = _fresh_copies(modules, loss_fn, dtype)
     counter = HookCounter()
     counter.instrument_copies(list(zip(prefixes, modules, copies)), copied_hooks)
+    held = _held_by_loss(loss_fn, copies[-1], dtype)
     # The last stage's B and W also cover the parameters the loss holds (a learned temperature).
-    stage_params = [list(c.parameters()) for c in copies]
-    held = _isolate.loss_parameters(loss_fn, copies[-1])
-    for p in held.values():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
+    stage_params: list[list[torch.Tensor]] = [list(c.parameters()) for c in copies]
     stage_params[-1] += held.values()
     result = RunResult({}, {}, {}, counter.counts)
     hooked_in_w = _split_stage_names(counter.hooked, copies, prefixes)
@@ -242,9 +239,7 @@ def _run(
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     handoffs: dict[tuple[int, int], Any] = {}
     step = ("", 0, 0)
-    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
-    existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
-    live = LiveStorage(existing) if memory else None
+    live = _storage_counter(copies, microbatches) if memory else None
     clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()))
     try:
         with live if live is not None else contextlib.nullcontext():
@@ -259,17 +254,9 @@ def _run(
                 counter.in_backward = True
                 with clock.timing():
                     out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
+                    args = inputs[s, k]
                     _backward(
-                        kind,
-                        s,
-                        k,
-                        stage_params[s],
-                        split,
-                        inputs[s, k],
-                        out,
-                        grads,
-                        dinputs,
-                        handoffs,
+                        kind, s, k, stage_params[s], split, args, out, grads, dinputs, handoffs
                     )
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
@@ -280,13 +267,27 @@ def _run(
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
     result.peak_bytes = None if live is None else live.peak
-    _record_gradients(copies, prefixes, inputs, dinputs, result)
-    result.params |= {
-        n: None if p.grad is None else p.grad.detach().clone() for n, p in held.items()
-    }
-    result.shapes |= {n: tuple(p.shape) for n, p in held.items()}
+    _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
     return result
+
+
+def _storage_counter(
+    copies: Sequence[nn.Module], microbatches: Sequence[tuple[Any, ...]]
+) -> LiveStorage:
+    """Counts the storage a run creates: not the copies' parameters nor the microbatches."""
+    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
+    existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
+    return LiveStorage(existing)
+
+
+def _held_by_loss(loss_fn: LossFn | None, last: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """The loss copy's own parameters (not the last stage's), cast to ``dtype`` as the stages are."""
+    held = _isolate.loss_parameters(loss_fn, last)
+    for p in held.values():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return held
 
 
 def _split_stage_names(
@@ -350,8 +351,13 @@ def _record_gradients(
     inputs: dict[tuple[int, int], tuple[Any, ...]],
     dinputs: dict[tuple[int, int], tuple[Any, ...]],
     result: RunResult,
+    held: dict[str, Any],
 ) -> None:
-    """Every parameter's gradient, and each stage input's per microbatch, into ``result``."""
+    """Every parameter's gradient (the loss's ``held`` ones too), and each stage input's per
+    microbatch, into ``result``."""
+    for name, p in held.items():
+        result.params[name] = None if p.grad is None else p.grad.detach().clone()
+        result.shapes[name] = tuple(p.shape)
     for s, c in enumerate(copies):
         for name, p in c.named_parameters():
             if p.requires_grad:
