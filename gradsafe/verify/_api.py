@@ -25,6 +25,7 @@ from gradsafe.verify._report import (
     OrderResult,
     Timing,
     VerifyReport,
+    WorkShare,
 )
 from gradsafe.verify._run import ORDERS, RunResult, Split
 
@@ -66,6 +67,7 @@ def verify(
     orders: Sequence[str] = tuple(ORDERS),
     time_backward: bool = False,
     memory: bool = False,
+    work: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check, on copies of ``module``, that gradsafe's split backward gives a fused backward's gradients.
@@ -98,6 +100,10 @@ def verify(
             :class:`~gradsafe.verify._report.Memory`); with
             ``time_backward`` it is measured in extra runs, so that the
             counting does not slow the timed ones.
+        work: also count each stage's backward matmul FLOPs in B and in W
+            (:class:`~gradsafe.verify._report.WorkShare`: W's share, and the
+            forwards re-run in backward); not with ``time_backward`` (the
+            counting would slow the timed runs), not on CUDA.
         progress: called with one line per run (the command line prints it).
 
     Returns:
@@ -126,8 +132,15 @@ def verify(
             _SEED,
             find_hazards=split is None,
             memory=count,
+            work=work,
         )
 
+    if work and (time_backward or any(p.is_cuda for m in modules for p in m.parameters())):
+        raise ValueError(
+            "verify(work=True) counts FLOPs with a dispatch mode on the calling thread: not in "
+            "timed runs (it would slow them) and not on CUDA (autograd runs a CUDA backward on a "
+            "thread of its own). Count W's share on a CPU copy, without time_backward."
+        )
     with _isolate.python_rng_kept():
         return _verify(one, modules, batches, dtype, orders, time_backward, memory)
 
@@ -163,7 +176,44 @@ def _verify(
     report = _report(
         reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
     )
-    return dataclasses.replace(report, memory=peaks)
+    return dataclasses.replace(report, memory=peaks, work=_work(reference, runs, len(modules)))
+
+
+def _work(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]], stages: int
+) -> dict[str, dict[str, tuple[WorkShare, ...]]] | None:
+    """Per implementation and order (fused: "fused"), each stage's B and W FLOPs and re-runs;
+    None when the runs did not count FLOPs. Crashed runs are left out."""
+    if reference.flops is None:
+        return None
+    table = {"fused": {"fused": reference}} | runs
+    return {
+        impl: {
+            order: tuple(_stage_work(run, s, stages) for s in range(stages))
+            for order, run in per.items()
+            if run.error is None and run.flops is not None
+        }
+        for impl, per in table.items()
+    }
+
+
+def _stage_work(run: RunResult, stage: int, stages: int) -> WorkShare:
+    flops = run.flops or {}
+    b = flops.get(("B", stage), 0)
+    w = flops.get(("W", stage), 0) + flops.get(("BW", stage), 0)
+    own = (
+        (lambda where: True)
+        if stages == 1
+        else (lambda where: where == str(stage) or where.startswith(f"{stage}."))
+    )
+    recomputed = sum(
+        count
+        for label, count in run.counts.items()
+        if label.startswith("forward of ")
+        and label.endswith(" recomputed in backward")
+        and own(label.removeprefix("forward of ").removesuffix(" recomputed in backward"))
+    )
+    return WorkShare(stage, b, w, w / (b + w) if b + w else None, recomputed)
 
 
 def _refuse_unreproducible(first: RunResult, second: RunResult, dtype: torch.dtype) -> None:

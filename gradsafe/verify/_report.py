@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport"]
+__all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport", "WorkShare"]
 
 # Verdicts of one implementation in one W order.
 EXACT = "exact"  # gradsafe: equal to fused within tolerance
@@ -92,6 +92,19 @@ class Memory:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkShare:
+    """One stage's backward in one run: matmul FLOPs run in B and in W (a fused backward, and
+    the fused first of several stages, count all in W), W's share of them, and how many module
+    forwards ran again during the backward (checkpoint recomputations, nested modules each)."""
+
+    stage: int
+    b_flops: int
+    w_flops: int
+    w_share: float | None  # w_flops / (b_flops + w_flops); None without matmuls
+    recomputed: int
+
+
+@dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """The result of :func:`gradsafe.verify.verify`.
 
@@ -117,6 +130,7 @@ class VerifyReport:
     refused: str | None
     timing: Mapping[str, Mapping[str, Timing]] | None = None
     memory: Mapping[str, Mapping[str, Memory]] | None = None  # as timing; crashed runs left out
+    work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]] | None = None  # as memory, per stage
 
     @property
     def ok(self) -> bool:
@@ -170,6 +184,8 @@ class VerifyReport:
             lines += ["", *_timing_lines(self.timing)]
         if self.memory:
             lines += ["", *_memory_lines(self.memory)]
+        if self.work:
+            lines += ["", *_work_lines(self.work)]
         lines += ["", *self._scope_lines()]
         lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
         return "\n".join(lines)
@@ -285,6 +301,23 @@ def _memory_lines(memory: Mapping[str, Mapping[str, Memory]]) -> list[str]:
                 f"  {impl:8} {order:12} {m.peak_bytes / 2**20:10.3f} MiB"
                 f" ({m.peak_bytes / max(fused_peak, 1):.2f}x)"
             )
+    return lines
+
+
+def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[str]:
+    lines = [
+        "W's share of backward matmul FLOPs per stage (forwards re-run in backward; the fused "
+        "first of several stages runs all in W):"
+    ]
+    for impl, per_order in work.items():
+        for order, stages in per_order.items():
+            cells = [
+                f"stage {w.stage} "
+                + ("-" if w.w_share is None else f"{w.w_share:.0%}")
+                + f" ({w.recomputed} re-run)"
+                for w in stages
+            ]
+            lines.append(f"  {impl:8} {order:12} " + ", ".join(cells))
     return lines
 
 

@@ -26,6 +26,7 @@ from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining.inspection import apply_to_tensors
 from gradsafe.verify import _graph_scan, _isolate
 from gradsafe.verify._hooks import HookCounter, parameter_hooks
+from gradsafe.verify._work import MatmulFlops
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -77,6 +78,8 @@ class RunResult:
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # With ``work``: backward matmul FLOPs per (event kind B / W / BW, stage).
+    flops: dict[tuple[str, int], int] | None = None
 
 
 def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
@@ -195,10 +198,11 @@ def run(
     seed: int,
     find_hazards: bool = False,
     memory: bool = False,
+    work: bool = False,
 ) -> RunResult:
     """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``, from RNG seed ``seed``.
 
-    With ``memory``, ``peak_bytes`` is the peak of the tensor storage created
+    With ``work``, ``flops`` holds each backward step's matmul FLOPs. With ``memory``, ``peak_bytes`` is the peak of the tensor storage created
     from the first forward on and still alive (activations, saved tensors,
     handoffs, gradients; not the copies' parameters). The caller's RNG state
     (CPU, and the CUDA devices the modules are on) is restored after.
@@ -208,7 +212,7 @@ def run(
     )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards, memory)
+        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards, memory, work)
 
 
 def _run(
@@ -220,29 +224,27 @@ def _run(
     order: str | None,
     find_hazards: bool,
     memory: bool,
+    work: bool,
 ) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
     copies, loss_fn, copied_hooks = _fresh_copies(modules, loss_fn, dtype)
     counter = HookCounter()
     counter.instrument_copies(list(zip(prefixes, modules, copies)), copied_hooks)
-    held = _held_by_loss(loss_fn, copies[-1], dtype)
-    # The last stage's B and W also cover the parameters the loss holds (a learned temperature).
-    stage_params: list[list[torch.Tensor]] = [list(c.parameters()) for c in copies]
-    stage_params[-1] += held.values()
+    stage_params, held = _stage_parameters(loss_fn, copies, dtype)
     result = RunResult({}, {}, {}, counter.counts)
-    hooked_in_w = _split_stage_names(counter.hooked, copies, prefixes)
-    if find_hazards and hooked_in_w:
-        result.hazards[_graph_scan.HOOKS_IN_W] = hooked_in_w
+    if find_hazards and (hooked := _split_stage_names(counter.hooked, copies, prefixes)):
+        result.hazards[_graph_scan.HOOKS_IN_W] = hooked
     inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     outputs: dict[tuple[int, int], Any] = {}
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     handoffs: dict[tuple[int, int], Any] = {}
     step = ("", 0, 0)
     live = _storage_counter(copies, microbatches) if memory else None
-    clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()))
+    flops = MatmulFlops() if work else None
+    clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()), flops)
     try:
-        with live if live is not None else contextlib.nullcontext():
+        with _entered(live, flops):
             for step in events(order, n, len(microbatches)):
                 kind, s, k = step
                 if kind == "F":
@@ -252,7 +254,7 @@ def _run(
                             result.hazards.setdefault(hazard, set()).update(params)
                     continue
                 counter.in_backward = True
-                with clock.timing():
+                with clock.timing(kind, s):
                     out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
                     args = inputs[s, k]
                     _backward(
@@ -266,10 +268,21 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
+    result.flops = None if flops is None else dict(flops.by_key)
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
     return result
+
+
+@contextlib.contextmanager
+def _entered(*modes: Any) -> Iterator[None]:
+    """Inside each of ``modes`` that is not None (the counting dispatch modes a run asked for)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if mode is not None:
+                stack.enter_context(mode)
+        yield
 
 
 def _storage_counter(
@@ -281,13 +294,19 @@ def _storage_counter(
     return LiveStorage(existing)
 
 
-def _held_by_loss(loss_fn: LossFn | None, last: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
-    """The loss copy's own parameters (not the last stage's), cast to ``dtype`` as the stages are."""
-    held = _isolate.loss_parameters(loss_fn, last)
+def _stage_parameters(
+    loss_fn: LossFn | None, copies: Sequence[nn.Module], dtype: torch.dtype
+) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+    """Each stage's parameters for its B and W, and (by path) those the loss copy holds of its
+    own (a learned temperature), cast to ``dtype`` as the stages are: the last stage's B and W
+    cover them too."""
+    held = _isolate.loss_parameters(loss_fn, copies[-1])
     for p in held.values():
         if p.is_floating_point():
             p.data = p.data.to(dtype)
-    return held
+    stage_params: list[list[torch.Tensor]] = [list(c.parameters()) for c in copies]
+    stage_params[-1] += held.values()
+    return stage_params, held
 
 
 def _split_stage_names(
@@ -309,20 +328,25 @@ class _BackwardClock:
     is counted, and the device is waited for so that wall time covers the kernels.
     """
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, flops: MatmulFlops | None) -> None:
         self.wall = self.cpu = 0.0
         self._cpu_clock = time.process_time if cuda else time.thread_time
         self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.flops = flops  # with it, each step's matmul FLOPs, under (kind, stage)
 
     @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
+    def timing(self, kind: str, stage: int) -> Iterator[None]:
         """Adds the time of its block (not when the block raises: the run is then reported crashed)."""
         self._sync()
+        if self.flops is not None:
+            self.flops.at = (kind, stage)
         started, started_cpu = time.perf_counter(), self._cpu_clock()
         yield
         self.cpu += self._cpu_clock() - started_cpu  # before the wait: it may spin
         self._sync()
         self.wall += time.perf_counter() - started
+        if self.flops is not None:
+            self.flops.at = None
 
 
 def _fresh_copies(

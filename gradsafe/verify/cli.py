@@ -50,6 +50,12 @@ def add_parser(commands: Any) -> None:
         help="also measure each run's peak live tensor memory (counted on CPU too) against fused",
     )
     verify.add_argument(
+        "--work",
+        action="store_true",
+        help="also count each stage's backward matmul FLOPs in B and W: W's share, and the "
+        "forwards re-run in backward (not with --time)",
+    )
+    verify.add_argument(
         "--schedule",
         choices=_SCHEDULES,
         help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
@@ -141,6 +147,7 @@ def _report(args: argparse.Namespace) -> Any:
         orders=[o for o in args.orders.split(",") if o],
         time_backward=args.time,
         memory=args.memory,
+        work=args.work,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
 

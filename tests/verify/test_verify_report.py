@@ -137,3 +137,47 @@ def test_json_into_a_closed_pipe_exits_without_a_broken_pipe_traceback() -> None
     _, err = proc.communicate(timeout=300)
     assert "BrokenPipeError" not in err.decode(), err.decode()
     assert proc.returncode == 0
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: self.b(torch.tanh(self.a(t))), x, use_reentrant=False)
+
+
+def test_work_gives_ws_share_of_backward_matmul_flops_and_the_re_runs_per_stage() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    report = verify(plain, _batches(), orders=("w-after-b",), work=True)
+    assert report.work is not None
+    (fused,) = report.work["fused"]["fused"]
+    assert (fused.b_flops, fused.w_share, fused.recomputed) == (0, 1.0, 0)
+    for impl in ("gradsafe", "upstream"):
+        (split,) = report.work[impl]["w-after-b"]
+        # A linear layer's input and weight gradients cost the same matmul FLOPs.
+        assert split.w_share == 0.5 and split.b_flops + split.w_flops == fused.w_flops
+    assert "W's share of backward matmul FLOPs" in str(report)
+    assert report.to_json()["work"]["gradsafe"]["w-after-b"][0]["w_share"] == 0.5
+
+
+def test_work_shows_torchs_split_recomputing_a_checkpoint_three_times() -> None:
+    torch.manual_seed(0)
+    report = verify(_Checkpointed(), _batches(), orders=("w-after-b",), work=True)
+    assert report.work is not None
+    (fused,) = report.work["fused"]["fused"]
+    (ours,) = report.work["gradsafe"]["w-after-b"]
+    (theirs,) = report.work["upstream"]["w-after-b"]
+    assert fused.recomputed == ours.recomputed == 8  # 2 linears x 4 microbatches
+    assert theirs.recomputed == 3 * fused.recomputed
+    assert ours.b_flops + ours.w_flops == fused.w_flops < theirs.b_flops + theirs.w_flops
+
+
+def test_work_with_time_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"work=True.*not in timed runs"):
+        verify(nn.Linear(4, 4), _batches(), work=True, time_backward=True)

@@ -64,6 +64,7 @@ def test_zbv_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.Monke
         timeout=400,
         check=False,
     )
+    assert proc.stdout, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     _check_agrees(data, _single_process_wrong())
     assert proc.returncode == 0, proc.stderr
