@@ -29,12 +29,14 @@ __all__ = [
     "caller_tensors",
     "copy_together",
     "loss_parameters",
-    "module_hooks",
     "python_rng_kept",
     "refuse_reaching_caller",
 ]
 
-_DEPTH = 12  # how deep the reachability walk follows references (closures of closures, attributes)
+_DEPTH = 12
+_MODULE_STATE = frozenset(
+    {"_parameters", "_buffers", "_modules", "training"}
+)  # how deep the reachability walk follows references (closures of closures, attributes)
 
 
 def copy_together(
@@ -44,7 +46,7 @@ def copy_together(
     hooks = list(hooks)
     memo: dict[int, Any] = {}
     cells: list[tuple[types.CellType, types.CellType]] = []
-    for fn in _functions((*module_hooks(modules), loss_fn, *hooks)):
+    for fn in _functions((*modules, loss_fn, *hooks)):
         memo[id(fn)] = _fresh_function(fn, cells)
     copies, loss_copy, hook_copies = copy.deepcopy((list(modules), loss_fn, hooks), memo)
     # Filled after the copy, so that the stages' own copies are in the memo first. A cell
@@ -165,7 +167,15 @@ def _children(value: Any, follow_globals: bool) -> list[tuple[str, Any]]:
     if isinstance(value, dict):
         return [(f"[{k!r}]", v) for k, v in value.items()]
     if isinstance(value, nn.Module):
-        return [(f".{n}", t) for n, t in [*value.named_parameters(), *value.named_buffers()]]
+        # Its tensors by name, and every other attribute of it and its submodules (hook
+        # dicts, functions kept as attributes: a deep copy shares those functions).
+        kids = [(f".{n}", t) for n, t in [*value.named_parameters(), *value.named_buffers()]]
+        return kids + [
+            (f".{name}{'.' if name else ''}{k}", v)
+            for name, sub in value.named_modules()
+            for k, v in vars(sub).items()
+            if k not in _MODULE_STATE
+        ]
     attrs = getattr(value, "__dict__", None)
     return [(f".{k}", v) for k, v in attrs.items()] if isinstance(attrs, dict) else []
 
@@ -184,18 +194,6 @@ def _global_names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
     return names
-
-
-def module_hooks(modules: Sequence[nn.Module]) -> list[Any]:
-    """Every hook in the modules' own hook dicts (forward, backward, state-dict: a deep copy keeps them)."""
-    return [
-        fn
-        for module in modules
-        for sub in module.modules()
-        for attr, hooks in vars(sub).items()
-        if "hooks" in attr and isinstance(hooks, dict)
-        for fn in hooks.values()
-    ]
 
 
 @contextlib.contextmanager

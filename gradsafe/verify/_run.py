@@ -360,8 +360,8 @@ def _fresh_copies(
     copies, loss_copy, copied = _isolate.copy_together(modules, loss_fn, hooks)
     caller = _isolate.caller_tensors(modules)
     _isolate.refuse_reaching_caller("loss_fn", [loss_copy], caller)
-    roots = [*copied.values(), *_isolate.module_hooks(copies)]
-    _isolate.refuse_reaching_caller("a hook", roots, caller)
+    _isolate.refuse_reaching_caller("a hook", copied.values(), caller)
+    _isolate.refuse_reaching_caller("a stage's hook or attribute", copies, caller)
     copies = [cast_module(c, dtype) for c in copies]
     for c in copies:
         for p in c.parameters():

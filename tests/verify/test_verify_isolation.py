@@ -121,3 +121,26 @@ def test_pythons_random_state_is_left_as_it_was() -> None:
 
     verify(Noisy(), _batches(1), orders=("w-after-b",))
     assert random.getstate() == state
+
+
+class _GatedByAttribute(nn.Module):
+    """Keeps a function closing over its own gate as an attribute (a deep copy shares the function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.full((4,), 0.5))
+        gate = self.gate
+        self.apply_gate = lambda h: h * torch.sigmoid(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_gate(torch.tanh(self.lin(x)))
+
+
+def test_a_function_kept_as_a_module_attribute_uses_the_copys_parameter() -> None:
+    torch.manual_seed(0)
+    module = _GatedByAttribute()
+    report = verify(module, _batches(), orders=("w-after-b",))
+    assert report.ok, str(report)
+    assert module.gate.grad is None and module.lin.weight.grad is None
+    assert next(r for r in report.grads if r.name == "gate").fused_max is not None
