@@ -107,10 +107,19 @@ def verify(
         progress: called with one line per run (the command line prints it).
 
     Returns:
-        A :class:`VerifyReport`. The caller's modules, their gradients and
-        hooks, and the global RNG state are left as they were (hooks
-        registered on the caller's parameters and modules do run, on the
-        copies, as in training).
+        A :class:`VerifyReport`. The caller's parameters, buffers, gradients
+        and hooks, and the global RNG state (torch's, Python's, NumPy's) are
+        left as they were: the stages, ``loss_fn`` and the parameters' hooks
+        are copied together, closures included, so hooks and the loss act on
+        the copies (as in training); a ``loss_fn``'s own parameters are
+        checked with the last stage's.
+
+    Raises:
+        ValueError: a copy would still reach one of the caller's tensors (a
+            global), or a parameter's gradient lives where verify does not
+            compare it (delayed weights, ``main_grad``).
+        RuntimeError: the fused reference fails, or two fused runs disagree
+            ("the model is not reproducible").
     """
     modules, batches = _checked_arguments(module, microbatches, dtype, orders, memory)
     say = progress or (lambda line: None)

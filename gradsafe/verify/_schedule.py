@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsafe.verify import _run
+from gradsafe.verify import _isolate, _run
 from gradsafe.verify._factory import load_factory
 
 __all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
@@ -172,7 +172,8 @@ def verify_schedule(
     say = progress or (lambda line: None)
     stages, batches, loss = _stages_and_microbatches(spec, schedule, ranks)
     say("verify --schedule: single-process reference ...")
-    reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
+    with _isolate.python_rng_kept():
+        reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
     results: dict[str, dict[int, RankResult]] = {}
     errors: dict[str, dict[str, float | str | None]] = {}
     tol = _TOLERANCE[dtype]
