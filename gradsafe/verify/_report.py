@@ -22,8 +22,9 @@ NOT_SEEN = {
     "H6": "a schedule's first step runs every stage (and the loss, with any backward inside "
     "it) to infer shapes before training: the single-process mode runs no schedule",
     "H7": "a schedule's step ends by dividing each stage's gradients by the microbatch count, "
-    "once per stage, so a weight two stages of one rank share (tied embeddings in a V) is "
-    "divided twice: the single-process mode runs no step's end",
+    "stage by stage, so a weight two stages of one rank share (tied embeddings in a V) is "
+    "divided once per stage, partly before the other's backwards end: the single-process "
+    "mode runs no step's end",
 }
 SCHEDULE_HINT = (
     "check both with `gradsafe verify PACKAGE.MODULE:FACTORY --schedule ZBVZeroBubble "
