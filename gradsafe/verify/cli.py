@@ -28,7 +28,8 @@ def add_parser(commands: Any) -> None:
         "compare gradsafe's and torch's split backward (B/W in the W orders zero-bubble "
         "schedules use) with a fused backward on copies of them. Exit status 0: gradsafe is "
         "exact; 1: it is not (a gradsafe bug, the table says where); 2: gradsafe refuses to "
-        "split this model (the reason is printed) or the model could not be built or run. "
+        "split this model (the reason is printed), the arguments are wrong, or the model could "
+        "not be built, run, reproduced (two fused runs disagree) or isolated from your own. "
         "Runs with one intra-op thread unless OMP_NUM_THREADS is set.",
     )
     verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY", nargs="?")
