@@ -81,7 +81,6 @@ def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
     assert "rank" in str(report) and "OK" in str(report)
 
 
-@pytest.mark.distributed
 def test_schedule_refuses_parameters_whose_gradient_a_hook_consumed() -> None:
     # The ranks report .grad only: None against None would pass whatever the step was.
     with pytest.raises(ValueError, match=r"0\.0\.weight.*kept no \.grad.*without --schedule"):
