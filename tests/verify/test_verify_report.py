@@ -181,3 +181,10 @@ def test_work_shows_torchs_split_recomputing_a_checkpoint_three_times() -> None:
 def test_work_with_time_is_refused() -> None:
     with pytest.raises(ValueError, match=r"work=True.*not in timed runs"):
         verify(nn.Linear(4, 4), _batches(), work=True, time_backward=True)
+
+
+def test_work_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "_factories:param_only_output", "--work", "--orders", "w-after-b"]) == 0
+    assert "W's share of backward matmul FLOPs" in capsys.readouterr().out
+    assert main(["verify", "_factories:param_only_output", "--work", "--time"]) == 2
+    assert "not in timed runs" in capsys.readouterr().err
