@@ -74,7 +74,7 @@ def main() -> None:
 
 
 def torchtitan_stages() -> None:
-    from gradsafe.pipelining._verify_torchtitan import build_stages
+    from gradsafe.verify._torchtitan import build_stages
 
     stages, microbatches, _ = build_stages("llama3", "ZBVZeroBubble", 2)
     print("torchtitan llama3 debugmodel, ZBV on 2 ranks, middle stages, one microbatch")

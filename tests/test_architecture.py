@@ -392,6 +392,8 @@ INTERNALS_MODULES = {
     "gradsafe.testing": {"gradsafe.testing._graph_recorder"},
     # A dispatch mode and storages' identities: live tensor memory on any device.
     "gradsafe._shared": {"gradsafe._shared.live_storage"},
+    # A dispatch mode: verify's count of backward matmul FLOPs (FlopCounterMode's breaks checkpoints).
+    "gradsafe.verify": {"gradsafe.verify._work"},
 }
 
 

@@ -9,7 +9,7 @@ its tests (tests/pipelining/test_pipelining_balance.py) and its benchmark
 ``autograd.grad`` (a split's B, torch's or gradsafe's) accepts, and a
 checkpointed region's modules run inside B. FLOPs counted while a module's
 forward runs during a backward are recomputation. Bytes are
-:class:`~gradsafe.pipelining._live_storage.LiveStorage`'s.
+:class:`~gradsafe._shared.live_storage.LiveStorage`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import flop_registry
 
-from gradsafe.pipelining._live_storage import LiveStorage
+from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
 from gradsafe.pipelining._torch import TorchDispatchMode, split_backward_module
 

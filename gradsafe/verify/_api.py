@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradsafe.pipelining import SplitBackwardError
-from gradsafe.verify import _run
+from gradsafe.verify import _isolate, _run
 from gradsafe.verify._report import (
     CRASH,
     EXACT,
@@ -25,6 +25,7 @@ from gradsafe.verify._report import (
     OrderResult,
     Timing,
     VerifyReport,
+    WorkShare,
 )
 from gradsafe.verify._run import ORDERS, RunResult, Split
 
@@ -66,6 +67,7 @@ def verify(
     orders: Sequence[str] = tuple(ORDERS),
     time_backward: bool = False,
     memory: bool = False,
+    work: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check, on copies of ``module``, that gradsafe's split backward gives a fused backward's gradients.
@@ -98,13 +100,26 @@ def verify(
             :class:`~gradsafe.verify._report.Memory`); with
             ``time_backward`` it is measured in extra runs, so that the
             counting does not slow the timed ones.
+        work: also count each stage's backward matmul FLOPs in B and in W
+            (:class:`~gradsafe.verify._report.WorkShare`: W's share, and the
+            forwards re-run in backward); not with ``time_backward`` (the
+            counting would slow the timed runs), not on CUDA.
         progress: called with one line per run (the command line prints it).
 
     Returns:
-        A :class:`VerifyReport`. The caller's modules, their gradients and
-        hooks, and the global RNG state are left as they were (hooks
-        registered on the caller's parameters and modules do run, on the
-        copies, as in training).
+        A :class:`VerifyReport`. The caller's parameters, buffers, gradients
+        and hooks, and the global RNG state (torch's, Python's, NumPy's) are
+        left as they were: the stages, ``loss_fn`` and the parameters' hooks
+        are copied together, closures included, so hooks and the loss act on
+        the copies (as in training); a ``loss_fn``'s own parameters are
+        checked with the last stage's.
+
+    Raises:
+        ValueError: a copy would still reach one of the caller's tensors (a
+            global), or a parameter's gradient lives where verify does not
+            compare it (delayed weights, ``main_grad``).
+        RuntimeError: the fused reference fails, or two fused runs disagree
+            ("the model is not reproducible").
     """
     modules, batches = _checked_arguments(module, microbatches, dtype, orders, memory)
     say = progress or (lambda line: None)
@@ -126,8 +141,29 @@ def verify(
             _SEED,
             find_hazards=split is None,
             memory=count,
+            work=work,
         )
 
+    if work and (time_backward or any(p.is_cuda for m in modules for p in m.parameters())):
+        raise ValueError(
+            "verify(work=True) counts FLOPs with a dispatch mode on the calling thread: not in "
+            "timed runs (it would slow them) and not on CUDA (autograd runs a CUDA backward on a "
+            "thread of its own). Count W's share on a CPU copy, without time_backward."
+        )
+    with _isolate.python_rng_kept():
+        return _verify(one, modules, batches, dtype, orders, time_backward, memory)
+
+
+def _verify(
+    one: Callable[..., RunResult],
+    modules: list[nn.Module],
+    batches: list[tuple[Any, ...]],
+    dtype: torch.dtype,
+    orders: Sequence[str],
+    time_backward: bool,
+    memory: bool,
+) -> VerifyReport:
+    """``verify``'s runs: the reference twice, then each split in each order."""
     if time_backward:  # first-call costs (allocator, kernels) would otherwise land on the reference
         one(None, None, "fused backward (warm-up for timing)")
     reference = one(None, None, "fused backward (reference)")
@@ -136,17 +172,80 @@ def verify(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}; "
             "verify needs a model whose ordinary backward runs."
         ) from reference.error
+    _refuse_unreproducible(
+        reference, one(None, None, "fused backward again (reproducible?)"), dtype
+    )
     runs: dict[str, dict[str, RunResult]] = {"gradsafe": {}, "upstream": {}}
     for order in orders:
         runs["gradsafe"][order] = one(_gradsafe_split(), order, f"gradsafe's split, {order}")
         runs["upstream"][order] = one(_torch_split(), order, f"torch's split, {order}")
     peaks = None
     if memory:
-        peaks = _peaks(reference, runs) if count_in_checked_runs else _measure_peaks(one, orders)
+        peaks = _measure_peaks(one, orders) if time_backward else _peaks(reference, runs)
     report = _report(
         reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
     )
-    return dataclasses.replace(report, memory=peaks)
+    return dataclasses.replace(report, memory=peaks, work=_work(reference, runs, len(modules)))
+
+
+def _work(
+    reference: RunResult, runs: dict[str, dict[str, RunResult]], stages: int
+) -> dict[str, dict[str, tuple[WorkShare, ...]]] | None:
+    """Per implementation and order (fused: "fused"), each stage's B and W FLOPs and re-runs;
+    None when the runs did not count FLOPs. Crashed runs are left out."""
+    if reference.flops is None:
+        return None
+    table = {"fused": {"fused": reference}} | runs
+    return {
+        impl: {
+            order: tuple(_stage_work(run, s, stages) for s in range(stages))
+            for order, run in per.items()
+            if run.error is None and run.flops is not None
+        }
+        for impl, per in table.items()
+    }
+
+
+def _stage_work(run: RunResult, stage: int, stages: int) -> WorkShare:
+    flops = run.flops or {}
+    b = flops.get(("B", stage), 0)
+    w = flops.get(("W", stage), 0) + flops.get(("BW", stage), 0)
+    own = (
+        (lambda where: True)
+        if stages == 1
+        else (lambda where: where == str(stage) or where.startswith(f"{stage}."))
+    )
+    recomputed = sum(
+        count
+        for label, count in run.counts.items()
+        if label.startswith("forward of ")
+        and label.endswith(" recomputed in backward")
+        and own(label.removeprefix("forward of ").removesuffix(" recomputed in backward"))
+    )
+    return WorkShare(stage, b, w, w / (b + w) if b + w else None, recomputed)
+
+
+def _refuse_unreproducible(first: RunResult, second: RunResult, dtype: torch.dtype) -> None:
+    """Raise if two fused runs from the same seed disagree: then no split can be judged by them."""
+    if second.error is not None:
+        raise RuntimeError(
+            f"the model is not reproducible: its fused backward ran once and then failed "
+            f"({second.where}): {second.error!r}"
+        ) from second.error
+    first_values = {**first.params, **first.inputs, **first.values}
+    second_values = {**second.params, **second.inputs, **second.values}
+    for name in dict.fromkeys([*first_values, *second_values]):
+        err, ok = _run.compare(first_values.get(name), second_values.get(name), _TOLERANCE[dtype])
+        if not ok:
+            raise RuntimeError(
+                f"the model is not reproducible: two fused backwards from the same seed give "
+                f"{name} {err if isinstance(err, str) else f'{err:.3g} relative'} apart, so no "
+                "split can be judged against them. verify seeds torch's RNG for each run; the "
+                "usual causes are draws from Python's `random` or NumPy's RNG, a global counter "
+                "the forward reads (a step number, a cache), or a nondeterministic kernel "
+                "(torch.use_deterministic_algorithms(True) finds those). Make the forward "
+                "depend on torch's RNG only, or fix it, for the check."
+            )
 
 
 def _checked_arguments(

@@ -16,7 +16,7 @@ import collections
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from gradsafe.pipelining.inspection import (
     tensor_hook_dicts,
 )
 
-__all__ = ["HookCounter"]
+__all__ = ["HookCounter", "parameter_hooks"]
 
 _COUNTED = "_gradsafe_verify_label"
 
@@ -52,6 +52,25 @@ def _node_hook_dicts(node: Node) -> tuple[dict[Any, Any] | None, dict[Any, Any] 
 
 def _no_hook(*args: object) -> None:
     return None
+
+
+def _parameter_hook_dicts(param: torch.Tensor) -> list[dict[Any, Any] | None]:
+    """A parameter's tensor, post-accumulate, AccumulateGrad post- and pre-hook dicts."""
+    with torch.enable_grad():
+        post, pre = _node_hook_dicts(get_gradient_edge(param).node)
+    return [*tensor_hook_dicts(param), post, pre]
+
+
+def parameter_hooks(modules: Sequence[nn.Module]) -> list[Callable[..., Any]]:
+    """Every hook on the modules' parameters (a deep copy drops them: the copies get them anew)."""
+    return [
+        fn
+        for module in modules
+        for p in module.parameters()
+        if p.requires_grad
+        for hooks in _parameter_hook_dicts(p)
+        for fn in (hooks or {}).values()
+    ]
 
 
 class HookCounter:
@@ -86,10 +105,15 @@ class HookCounter:
             if getattr(fn, "__code__", None) not in multi_grad_hook_codes():
                 hooks[key] = self.wrap(fn, f"{what} {_name(fn)}")  # type: ignore[index]
 
-    def instrument_copies(self, named: Sequence[tuple[str, nn.Module, nn.Module]]) -> None:
+    def instrument_copies(
+        self,
+        named: Sequence[tuple[str, nn.Module, nn.Module]],
+        copied: Mapping[int, Callable[..., Any]],
+    ) -> None:
         """Give each copy the caller's parameter hooks, wrapped, and wrap the copies' module hooks.
 
-        ``named``: (stage prefix, caller's stage, its copy).
+        ``named``: (stage prefix, caller's stage, its copy); ``copied``: each parameter
+        hook's copy by the original's id (closing over the copies, not the caller's tensors).
         """
         done: set[int] = set()  # a parameter shared by two stages gets its hooks once
         for prefix, original, copy in named:
@@ -100,40 +124,33 @@ class HookCounter:
                     continue
                 done.add(id(target))
                 where = f"{prefix}{name}"
-                tensor_hooks, post_accumulate_hooks = tensor_hook_dicts(param)
-                for fn in (tensor_hooks or {}).values():
-                    if getattr(fn, "__code__", None) in multi_grad_hook_codes():
-                        continue  # such a hook spans tensors of one forward, not this parameter
-                    target.register_hook(self.wrap(fn, f"tensor hook {_name(fn)} on {where}"))
-                for fn in (post_accumulate_hooks or {}).values():
-                    target.register_post_accumulate_grad_hook(
-                        self.wrap(fn, f"post-accumulate hook {_name(fn)} on {where}")
-                    )
+                dicts = _parameter_hook_dicts(param)
                 with torch.enable_grad():
-                    post, pre = _node_hook_dicts(get_gradient_edge(param).node)
                     node = get_gradient_edge(target).node
-                for fn in (post or {}).values():
-                    node.register_hook(self.wrap(fn, f"AccumulateGrad hook {_name(fn)} on {where}"))
-                for fn in (pre or {}).values():
-                    node.register_prehook(
-                        self.wrap(fn, f"AccumulateGrad pre-hook {_name(fn)} on {where}")
-                    )
+                registers = (
+                    (target.register_hook, "tensor hook"),
+                    (target.register_post_accumulate_grad_hook, "post-accumulate hook"),
+                    (node.register_hook, "AccumulateGrad hook"),
+                    (node.register_prehook, "AccumulateGrad pre-hook"),
+                )
+                for hooks, (register, kind) in zip(dicts, registers):
+                    for fn in (hooks or {}).values():
+                        if getattr(fn, "__code__", None) in multi_grad_hook_codes():
+                            continue  # such a hook spans tensors of one forward, not this parameter
+                        fn = copied.get(id(fn), fn)
+                        register(self.wrap(fn, f"{kind} {_name(fn)} on {where}"))
                 self._keep.append(node)
-                if any(
-                    (
-                        tensor_hooks,
-                        post_accumulate_hooks,
-                        post,
-                        pre,
-                    )
-                ):
+                if any(dicts):
                     self.hooked.add(where)
-            for name, module in copy.named_modules():
-                where = f"{prefix}{name}" or prefix.rstrip(".") or "module"
-                backward_hooks, backward_pre_hooks = module_backward_hook_dicts(module)
-                self._wrap_dict(backward_hooks, f"module backward hook on {where}:")
-                self._wrap_dict(backward_pre_hooks, f"module backward pre-hook on {where}:")
-                module.register_forward_pre_hook(functools.partial(self._forward_called, where))
+            self._instrument_modules(prefix, copy)
+
+    def _instrument_modules(self, prefix: str, copy: nn.Module) -> None:
+        for name, module in copy.named_modules():
+            where = f"{prefix}{name}" or prefix.rstrip(".") or "module"
+            backward_hooks, backward_pre_hooks = module_backward_hook_dicts(module)
+            self._wrap_dict(backward_hooks, f"module backward hook on {where}:")
+            self._wrap_dict(backward_pre_hooks, f"module backward pre-hook on {where}:")
+            module.register_forward_pre_hook(functools.partial(self._forward_called, where))
 
     def _forward_called(self, where: str, module: nn.Module, args: Any) -> None:
         if self.in_backward:

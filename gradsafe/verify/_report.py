@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport"]
+__all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport", "WorkShare"]
 
 # Verdicts of one implementation in one W order.
 EXACT = "exact"  # gradsafe: equal to fused within tolerance
@@ -15,6 +15,21 @@ WRONG = "WRONG"
 CRASH = "crash"
 HOOKS = "counts differ"
 REFUSED = "refused"
+
+# What the single-process mode cannot see, and how to check it: both live in a schedule's
+# step, which only ``--schedule`` runs.
+NOT_SEEN = {
+    "H6": "a schedule's first step runs every stage (and the loss, with any backward inside "
+    "it) to infer shapes before training: the single-process mode runs no schedule",
+    "H7": "a schedule's step ends by dividing each stage's gradients by the microbatch count, "
+    "stage by stage, so a weight two stages of one rank share (tied embeddings in a V) is "
+    "divided once per stage, partly before the other's backwards end: the single-process "
+    "mode runs no step's end",
+}
+SCHEDULE_HINT = (
+    "check both with `gradsafe verify PACKAGE.MODULE:FACTORY --schedule ZBVZeroBubble "
+    "--ranks 2` (torch's real schedule on local gloo ranks)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +93,19 @@ class Memory:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkShare:
+    """One stage's backward in one run: matmul FLOPs run in B and in W (a fused backward, and
+    the fused first of several stages, count all in W), W's share of them, and how many module
+    forwards ran again during the backward (checkpoint recomputations, nested modules each)."""
+
+    stage: int
+    b_flops: int
+    w_flops: int
+    w_share: float | None  # w_flops / (b_flops + w_flops); None without matmuls
+    recomputed: int
+
+
+@dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """The result of :func:`gradsafe.verify.verify`.
 
@@ -103,16 +131,33 @@ class VerifyReport:
     refused: str | None
     timing: Mapping[str, Mapping[str, Timing]] | None = None
     memory: Mapping[str, Mapping[str, Memory]] | None = None  # as timing; crashed runs left out
+    work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]] | None = None  # as memory, per stage
 
     @property
     def ok(self) -> bool:
         return self.refused is None and all(r.verdict == EXACT for r in self.gradsafe.values())
 
+    @property
+    def refused_only(self) -> bool:
+        """gradsafe refused the model and got nothing wrong where it did not refuse (exit 2)."""
+        return self.refused is not None and all(
+            r.verdict in (EXACT, REFUSED) for r in self.gradsafe.values()
+        )
+
+    @property
+    def unsplit_stages(self) -> tuple[int, ...]:
+        """Stages no run splits: the first of several, whose inputs need no gradient, runs
+        fused as a schedule runs it (verify it as a one-stage list to check its split)."""
+        return (0,) if self.stages > 1 else ()
+
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; keys and their meaning are stable across gradsafe versions."""
+        """A JSON-serialisable dict; keys and their meaning are stable across gradsafe versions
+        (format 2 added ``unsplit_stages`` and ``not_seen``)."""
         data = dataclasses.asdict(self)
         data["ok"] = self.ok
-        data["format"] = "gradsafe.verify/1"
+        data["unsplit_stages"] = list(self.unsplit_stages)
+        data["not_seen"] = {**NOT_SEEN, "how to check": SCHEDULE_HINT}
+        data["format"] = "gradsafe.verify/2"
         return _plain(data)
 
     def __str__(self) -> str:
@@ -140,8 +185,22 @@ class VerifyReport:
             lines += ["", *_timing_lines(self.timing)]
         if self.memory:
             lines += ["", *_memory_lines(self.memory)]
+        if self.work:
+            lines += ["", *_work_lines(self.work)]
+        lines += ["", *self._scope_lines()]
         lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
         return "\n".join(lines)
+
+    def _scope_lines(self) -> list[str]:
+        """What this mode did not check: the unsplit first stage, and the hazards of a step."""
+        lines = [
+            f"Stage {s} runs fused (its inputs need no gradient, as in a schedule): its split is "
+            "not checked here; pass it alone (a one-stage list) to check it."
+            for s in self.unsplit_stages
+        ]
+        lines.append("Not seen in one process (no schedule runs here):")
+        lines += [f"  {name}: {why}" for name, why in NOT_SEEN.items()]
+        return [*lines, f"  {SCHEDULE_HINT}."]
 
     def _verdict_lines(self) -> list[str]:
         """Each order's verdict per implementation, then every distinct error message once."""
@@ -162,8 +221,11 @@ class VerifyReport:
 
     def _gradient_lines(self) -> list[str]:
         """The gradients some run got wrong, one row each; the others counted in one line."""
+        # A crashed or refused run (ok None) is one line of the verdict table, not a row per gradient.
         shown = [
-            r for r in self.grads if not all(ok for per in r.ok.values() for ok in per.values())
+            r
+            for r in self.grads
+            if any(ok is False for per in r.ok.values() for ok in per.values())
         ]
         lines = (
             ["  none"]
@@ -195,13 +257,16 @@ class VerifyReport:
                 default=0.0,
             )
             lines.append(
-                f"  {len(exact)} gradient(s) equal fused in every run (worst relative error {worst:.2g})"
+                f"  {len(exact)} gradient(s) equal fused in every run that finished "
+                f"(worst relative error {worst:.2g})"
             )
         return lines
 
     def _hook_lines(self) -> list[str]:
         differing = [
-            h for h in self.hooks if any(c != h.fused for m in h.calls.values() for c in m.values())
+            h
+            for h in self.hooks
+            if any(c is not None and c != h.fused for m in h.calls.values() for c in m.values())
         ]
         if not differing:
             return ["  every count equals fused"]
@@ -237,6 +302,23 @@ def _memory_lines(memory: Mapping[str, Mapping[str, Memory]]) -> list[str]:
                 f"  {impl:8} {order:12} {m.peak_bytes / 2**20:10.3f} MiB"
                 f" ({m.peak_bytes / max(fused_peak, 1):.2f}x)"
             )
+    return lines
+
+
+def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[str]:
+    lines = [
+        "W's share of backward matmul FLOPs per stage (forwards re-run in backward; the fused "
+        "first of several stages runs all in W):"
+    ]
+    for impl, per_order in work.items():
+        for order, stages in per_order.items():
+            cells = [
+                f"stage {w.stage} "
+                + ("-" if w.w_share is None else f"{w.w_share:.0%}")
+                + f" ({w.recomputed} re-run)"
+                for w in stages
+            ]
+            lines.append(f"  {impl:8} {order:12} " + ", ".join(cells))
     return lines
 
 

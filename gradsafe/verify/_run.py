@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import math
 import time
@@ -25,8 +24,9 @@ from torch.nn.parameter import is_lazy
 
 from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining.inspection import apply_to_tensors
-from gradsafe.verify import _graph_scan
-from gradsafe.verify._hooks import HookCounter
+from gradsafe.verify import _graph_scan, _isolate
+from gradsafe.verify._hooks import HookCounter, parameter_hooks
+from gradsafe.verify._work import MatmulFlops
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -78,6 +78,8 @@ class RunResult:
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # With ``work``: backward matmul FLOPs per (event kind B / W / BW, stage).
+    flops: dict[tuple[str, int], int] | None = None
 
 
 def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
@@ -196,10 +198,11 @@ def run(
     seed: int,
     find_hazards: bool = False,
     memory: bool = False,
+    work: bool = False,
 ) -> RunResult:
     """Run ``order`` with ``split`` (None: fused) on fresh copies of ``modules``, from RNG seed ``seed``.
 
-    With ``memory``, ``peak_bytes`` is the peak of the tensor storage created
+    With ``work``, ``flops`` holds each backward step's matmul FLOPs. With ``memory``, ``peak_bytes`` is the peak of the tensor storage created
     from the first forward on and still alive (activations, saved tensors,
     handoffs, gradients; not the copies' parameters). The caller's RNG state
     (CPU, and the CUDA devices the modules are on) is restored after.
@@ -209,7 +212,7 @@ def run(
     )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards, memory)
+        return _run(modules, microbatches, loss_fn, dtype, split, order, find_hazards, memory, work)
 
 
 def _run(
@@ -221,26 +224,27 @@ def _run(
     order: str | None,
     find_hazards: bool,
     memory: bool,
+    work: bool,
 ) -> RunResult:
     n = len(modules)
     prefixes = [f"{s}." if n > 1 else "" for s in range(n)]
-    copies = _fresh_copies(modules, dtype)
+    copies, loss_fn, copied_hooks = _fresh_copies(modules, loss_fn, dtype)
     counter = HookCounter()
-    counter.instrument_copies(list(zip(prefixes, modules, copies)))
+    counter.instrument_copies(list(zip(prefixes, modules, copies)), copied_hooks)
+    stage_params, held = _stage_parameters(loss_fn, copies, dtype)
     result = RunResult({}, {}, {}, counter.counts)
-    if find_hazards and counter.hooked:
-        result.hazards[_graph_scan.HOOKS_IN_W] = set(counter.hooked)
+    if find_hazards and (hooked := _split_stage_names(counter.hooked, copies, prefixes)):
+        result.hazards[_graph_scan.HOOKS_IN_W] = hooked
     inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     outputs: dict[tuple[int, int], Any] = {}
     dinputs: dict[tuple[int, int], tuple[Any, ...]] = {}
     handoffs: dict[tuple[int, int], Any] = {}
     step = ("", 0, 0)
-    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
-    existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
-    live = LiveStorage(existing) if memory else None
-    clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()))
+    live = _storage_counter(copies, microbatches) if memory else None
+    flops = MatmulFlops() if work else None
+    clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()), flops)
     try:
-        with live if live is not None else contextlib.nullcontext():
+        with _entered(live, flops):
             for step in events(order, n, len(microbatches)):
                 kind, s, k = step
                 if kind == "F":
@@ -250,10 +254,11 @@ def _run(
                             result.hazards.setdefault(hazard, set()).update(params)
                     continue
                 counter.in_backward = True
-                with clock.timing():
+                with clock.timing(kind, s):
                     out, grads = _roots(s, k, n, outputs, dinputs, loss_fn is None)
+                    args = inputs[s, k]
                     _backward(
-                        kind, s, k, copies, split, inputs[s, k], out, grads, dinputs, handoffs
+                        kind, s, k, stage_params[s], split, args, out, grads, dinputs, handoffs
                     )
                 counter.in_backward = False
     except Exception as exc:  # reported: a crash of the split under test is a finding
@@ -263,10 +268,57 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
+    result.flops = None if flops is None else dict(flops.by_key)
     result.peak_bytes = None if live is None else live.peak
-    _record_gradients(copies, prefixes, inputs, dinputs, result)
+    _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
     return result
+
+
+@contextlib.contextmanager
+def _entered(*modes: Any) -> Iterator[None]:
+    """Inside each of ``modes`` that is not None (the counting dispatch modes a run asked for)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if mode is not None:
+                stack.enter_context(mode)
+        yield
+
+
+def _storage_counter(
+    copies: Sequence[nn.Module], microbatches: Sequence[tuple[Any, ...]]
+) -> LiveStorage:
+    """Counts the storage a run creates: not the copies' parameters nor the microbatches."""
+    existing: list[torch.Tensor] = [p for c in copies for p in c.parameters()]
+    existing += [t for b in microbatches for t in b if isinstance(t, torch.Tensor)]
+    return LiveStorage(existing)
+
+
+def _stage_parameters(
+    loss_fn: LossFn | None, copies: Sequence[nn.Module], dtype: torch.dtype
+) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+    """Each stage's parameters for its B and W, and (by path) those the loss copy holds of its
+    own (a learned temperature), cast to ``dtype`` as the stages are: the last stage's B and W
+    cover them too."""
+    held = _isolate.loss_parameters(loss_fn, copies[-1])
+    for p in held.values():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    stage_params: list[list[torch.Tensor]] = [list(c.parameters()) for c in copies]
+    stage_params[-1] += held.values()
+    return stage_params, held
+
+
+def _split_stage_names(
+    names: set[str], copies: Sequence[nn.Module], prefixes: Sequence[str]
+) -> set[str]:
+    """Of the parameters ``names`` (as the first stage holding each names it), those a split's W
+    runs: not the first of several stages' own, which runs fused as a schedule runs it."""
+    if len(copies) == 1:
+        return set(names)
+    later = {id(p) for c in copies[1:] for p in c.parameters()}
+    first = {prefixes[0] + n: p for n, p in copies[0].named_parameters()}
+    return {n for n in names if n not in first or id(first[n]) in later}
 
 
 class _BackwardClock:
@@ -276,30 +328,45 @@ class _BackwardClock:
     is counted, and the device is waited for so that wall time covers the kernels.
     """
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, flops: MatmulFlops | None) -> None:
         self.wall = self.cpu = 0.0
         self._cpu_clock = time.process_time if cuda else time.thread_time
         self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.flops = flops  # with it, each step's matmul FLOPs, under (kind, stage)
 
     @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
+    def timing(self, kind: str, stage: int) -> Iterator[None]:
         """Adds the time of its block (not when the block raises: the run is then reported crashed)."""
         self._sync()
+        if self.flops is not None:
+            self.flops.at = (kind, stage)
         started, started_cpu = time.perf_counter(), self._cpu_clock()
         yield
         self.cpu += self._cpu_clock() - started_cpu  # before the wait: it may spin
         self._sync()
         self.wall += time.perf_counter() - started
+        if self.flops is not None:
+            self.flops.at = None
 
 
-def _fresh_copies(modules: Sequence[nn.Module], dtype: torch.dtype) -> list[nn.Module]:
-    """The stages deep-copied, cast to ``dtype``, without gradients. One deep copy of all
-    stages: a parameter two stages share (tied embeddings on a V-shaped rank) stays shared."""
-    copies = [cast_module(m, dtype) for m in copy.deepcopy(list(modules))]
+def _fresh_copies(
+    modules: Sequence[nn.Module], loss_fn: LossFn | None, dtype: torch.dtype
+) -> tuple[list[nn.Module], LossFn | None, dict[int, Callable[..., Any]]]:
+    """The stages, the loss and the parameters' hooks deep-copied together, cast to ``dtype``,
+    without gradients: a parameter two stages share (tied embeddings on a V-shaped rank)
+    stays shared, and a loss or hook closing over a stage's tensors closes over the copy's.
+    Raises if a copy still reaches one of the caller's tensors (it would change them)."""
+    hooks = parameter_hooks(modules)
+    copies, loss_copy, copied = _isolate.copy_together(modules, loss_fn, hooks)
+    caller = _isolate.caller_tensors(modules)
+    _isolate.refuse_reaching_caller("loss_fn", [loss_copy], caller)
+    _isolate.refuse_reaching_caller("a hook", copied.values(), caller)
+    _isolate.refuse_reaching_caller("a stage's hook or attribute", copies, caller)
+    copies = [cast_module(c, dtype) for c in copies]
     for c in copies:
         for p in c.parameters():
             p.grad = None
-    return copies
+    return copies, loss_copy, copied
 
 
 def _record_gradients(
@@ -308,8 +375,13 @@ def _record_gradients(
     inputs: dict[tuple[int, int], tuple[Any, ...]],
     dinputs: dict[tuple[int, int], tuple[Any, ...]],
     result: RunResult,
+    held: dict[str, Any],
 ) -> None:
-    """Every parameter's gradient, and each stage input's per microbatch, into ``result``."""
+    """Every parameter's gradient (the loss's ``held`` ones too), and each stage input's per
+    microbatch, into ``result``."""
+    for name, p in held.items():
+        result.params[name] = None if p.grad is None else p.grad.detach().clone()
+        result.shapes[name] = tuple(p.shape)
     for s, c in enumerate(copies):
         for name, p in c.named_parameters():
             if p.requires_grad:
@@ -387,7 +459,7 @@ def _backward(
     kind: str,
     s: int,
     k: int,
-    copies: Sequence[nn.Module],
+    params: list[torch.Tensor],
     split: Split | None,
     args: tuple[Any, ...],
     out: tuple[Any, ...],
@@ -410,14 +482,14 @@ def _backward(
         if handoff is _FULL_IN_W:
             dinputs[s, k] = tuple(split.backward(out, grads, list(args)))
         else:
-            split.backward_weight(copies[s].parameters(), handoff)
+            split.backward_weight(iter(params), handoff)
         return
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         # As the schedule does for a first stage: no B, the whole backward in W's slot.
         handoffs[s, k] = _FULL_IN_W
         dinputs[s, k] = tuple(None for _ in args)
         return
-    dinput, handoffs[s, k] = split.backward_input(out, grads, list(args), copies[s].parameters())
+    dinput, handoffs[s, k] = split.backward_input(out, grads, list(args), iter(params))
     dinputs[s, k] = tuple(dinput)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsafe.verify import _run
+from gradsafe.verify import _isolate, _run
 from gradsafe.verify._factory import load_factory
 
 __all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
@@ -76,6 +76,11 @@ class ScheduleReport:
     def ok(self) -> bool:
         return all(r.verdict == "right" for r in self.results["gradsafe"].values())
 
+    @property
+    def refused_only(self) -> bool:
+        """gradsafe refused the model on some rank (exit 2)."""
+        return self.refused is not None
+
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["results"] = {
@@ -84,7 +89,7 @@ class ScheduleReport:
         }
         data["ok"] = self.ok
         data["refused"] = self.refused
-        data["format"] = "gradsafe.verify-schedule/1"
+        data["format"] = "gradsafe.verify-schedule/2"  # 2: the step scales (scale_grads=True)
         return data
 
     def __str__(self) -> str:
@@ -167,7 +172,8 @@ def verify_schedule(
     say = progress or (lambda line: None)
     stages, batches, loss = _stages_and_microbatches(spec, schedule, ranks)
     say("verify --schedule: single-process reference ...")
-    reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
+    with _isolate.python_rng_kept():
+        reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
     results: dict[str, dict[int, RankResult]] = {}
     errors: dict[str, dict[str, float | str | None]] = {}
     tol = _TOLERANCE[dtype]
@@ -225,16 +231,23 @@ def _reference(
     """
     ordered: list[Any] = [None] * len(stages)
     for indices in where.values():
-        built = list(load_factory(spec)[0])
+        built, _, *rest = load_factory(spec)
         for i in indices:
-            ordered[i] = built[i]
+            ordered[i] = list(built)[i]
             ordered[i].load_state_dict(stages[i].state_dict())
+        if len(stages) - 1 in indices and rest:
+            loss = rest[0]  # the loss of the build that holds the last stage (it may close over it)
     reference = _run.run(ordered, batches, loss, dtype, None, None, 0)
     if reference.error is not None:
         raise RuntimeError(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}"
         )
     _refuse_consumed_gradients(reference)
+    # A schedule's step (scale_grads=True, its default) gives the averaged loss's gradient.
+    reference.params = {
+        name: None if grad is None else grad / len(batches)
+        for name, grad in reference.params.items()
+    }
     return reference
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 __all__ = ["add_parser", "run"]
@@ -26,7 +28,8 @@ def add_parser(commands: Any) -> None:
         "compare gradsafe's and torch's split backward (B/W in the W orders zero-bubble "
         "schedules use) with a fused backward on copies of them. Exit status 0: gradsafe is "
         "exact; 1: it is not (a gradsafe bug, the table says where); 2: gradsafe refuses to "
-        "split this model (the reason is printed) or the model could not be built or run. "
+        "split this model (the reason is printed), the arguments are wrong, or the model could "
+        "not be built, run, reproduced (two fused runs disagree) or isolated from your own. "
         "Runs with one intra-op thread unless OMP_NUM_THREADS is set.",
     )
     verify.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY", nargs="?")
@@ -48,6 +51,12 @@ def add_parser(commands: Any) -> None:
         help="also measure each run's peak live tensor memory (counted on CPU too) against fused",
     )
     verify.add_argument(
+        "--work",
+        action="store_true",
+        help="also count each stage's backward matmul FLOPs in B and W: W's share, and the "
+        "forwards re-run in backward (not with --time)",
+    )
+    verify.add_argument(
         "--schedule",
         choices=_SCHEDULES,
         help="instead, run torch's real PipelineStage and Schedule<NAME> on local gloo ranks, "
@@ -65,81 +74,111 @@ def add_parser(commands: Any) -> None:
     verify.add_argument(
         "--ranks", type=int, choices=(2, 4), default=2, help="gloo ranks for --schedule (default 2)"
     )
+    verify.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on an error from the factory or the model, print its full traceback",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _argument_problem(args)  # before importing torch (and torchtitan): seconds
+    if problem is not None:
+        print(f"gradsafe verify: {problem}", file=sys.stderr)
+        return REFUSED
     import torch
-
-    from gradsafe.verify import verify
-    from gradsafe.verify._factory import load_factory
 
     if "OMP_NUM_THREADS" not in os.environ:
         # verify runs many small ops several times over: intra-op threads only
         # spin on them (a 12-block d=128 model: 14 s with one thread, 100 s
         # with two on a loaded 2-core machine). OMP_NUM_THREADS overrides.
         torch.set_num_threads(1)
-    if (args.factory is None) == (args.torchtitan is None):
-        print(
-            "gradsafe verify: give either FACTORY or --torchtitan MODEL[:CONFIG]", file=sys.stderr
-        )
-        return REFUSED
-    if args.torchtitan is not None and args.schedule is None:
-        print(
-            "gradsafe verify: --torchtitan needs --schedule NAME (the stages depend on it)",
-            file=sys.stderr,
-        )
-        return REFUSED
-    if args.schedule and args.torchtitan is None:
-        return _run_schedule(args)
-
-    orders = [o for o in args.orders.split(",") if o]
     try:
-        if args.torchtitan is not None:
-            from gradsafe.verify._torchtitan import build_stages
-
-            module, microbatches, *rest = build_stages(args.torchtitan, args.schedule, args.ranks)
+        if args.schedule and args.torchtitan is None:
+            report: Any = _schedule_report(args)
         else:
-            module, microbatches, *rest = load_factory(args.factory)
-        report = verify(
-            module,
-            microbatches,
-            rest[0] if rest else None,
-            dtype=getattr(torch, args.dtype),
-            orders=orders,
-            time_backward=args.time,
-            memory=args.memory,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
+            report = _report(args)
     except Exception as exc:  # the user's factory or model: report, exit 2
-        print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _print_error(exc, args.traceback)
         return REFUSED
-    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    _print_report(report.to_json() if args.json else report, args.json)
     if report.ok:
         return EXACT
-    if report.refused is not None and all(
-        r.verdict in ("exact", "refused") for r in report.gradsafe.values()
-    ):
-        return REFUSED
-    return NOT_EXACT
+    return REFUSED if report.refused_only else NOT_EXACT
 
 
-def _run_schedule(args: argparse.Namespace) -> int:
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments alone, found without importing torch."""
+    if (args.factory is None) == (args.torchtitan is None):
+        return "give either FACTORY or --torchtitan MODEL[:CONFIG]"
+    if args.torchtitan is not None and args.schedule is None:
+        return "--torchtitan needs --schedule NAME (the stages depend on it)"
+    if args.torchtitan is not None and importlib.util.find_spec("torchtitan") is None:
+        return (
+            "--torchtitan needs torchtitan, which is not installed here: "
+            'pip install "gradsafe[torchtitan]"'
+        )
+    if args.factory is not None:
+        module_name, sep, attr = args.factory.partition(":")
+        if not sep or not module_name or not attr:
+            return f"expected PACKAGE.MODULE:FACTORY, got {args.factory!r}"
+    unknown = [o for o in args.orders.split(",") if o and o not in _ORDERS]
+    if unknown or not any(args.orders.split(",")):
+        return f"unknown W order(s) {unknown} in --orders; choose from {', '.join(_ORDERS)}"
+    return None
+
+
+def _report(args: argparse.Namespace) -> Any:
+    import torch
+
+    from gradsafe.verify import verify
+    from gradsafe.verify._factory import load_factory
+
+    if args.torchtitan is not None:
+        from gradsafe.verify._torchtitan import build_stages
+
+        module, microbatches, *rest = build_stages(args.torchtitan, args.schedule, args.ranks)
+    else:
+        module, microbatches, *rest = load_factory(args.factory)
+    return verify(
+        module,
+        microbatches,
+        rest[0] if rest else None,
+        dtype=getattr(torch, args.dtype),
+        orders=[o for o in args.orders.split(",") if o],
+        time_backward=args.time,
+        memory=args.memory,
+        work=args.work,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+
+
+def _schedule_report(args: argparse.Namespace) -> Any:
     import torch
 
     from gradsafe.verify._schedule import verify_schedule
 
+    return verify_schedule(
+        args.factory,
+        args.schedule,
+        args.ranks,
+        getattr(torch, args.dtype),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+
+
+def _print_error(exc: BaseException, full: bool) -> None:
+    if full:
+        traceback.print_exception(exc, file=sys.stderr)
+        return
+    print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print("(run with --traceback to see where it was raised)", file=sys.stderr)
+
+
+def _print_report(report: Any, as_json: bool) -> None:
+    """Print, and stop quietly when the reader has gone (``gradsafe verify --json | head``)."""
     try:
-        report = verify_schedule(
-            args.factory,
-            args.schedule,
-            args.ranks,
-            getattr(torch, args.dtype),
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    except Exception as exc:  # the user's factory or model: report, exit 2
-        print(f"gradsafe verify: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return REFUSED
-    print(json.dumps(report.to_json(), indent=2) if args.json else report)
-    if report.ok:
-        return EXACT
-    return REFUSED if report.refused is not None else NOT_EXACT
+        print(json.dumps(report, indent=2) if as_json else report, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that raises nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

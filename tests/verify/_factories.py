@@ -121,3 +121,104 @@ def doubled_by_hooks() -> tuple[list[nn.Module], list[Any]]:
     for stage in stages:
         stage[0].weight.register_hook(lambda g: 2 * g)
     return stages, _batches()
+
+
+_VOCAB, _DIM, _TOKENS = 11, 6, 5
+
+
+class _Embed(nn.Module):
+    def __init__(self, table: nn.Parameter) -> None:
+        super().__init__()
+        self.table = table
+        self.mix = nn.Linear(_DIM, _DIM)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.table[ids]))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(_DIM, _DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+
+class _TiedHead(nn.Module):
+    def __init__(self, table: nn.Parameter) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.table.t()
+
+
+def tied_v() -> tuple[list[nn.Module], list[Any], Any]:
+    """H7: four stages whose first embeds with the table the last uses as its head (rank 0 of a V holds both)."""
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(_VOCAB, _DIM))
+    stages: list[nn.Module] = [_Embed(table), _Block(), _Block(), _TiedHead(table)]
+    generator = torch.Generator().manual_seed(1)
+    ids = [(torch.randint(0, _VOCAB, (2, _TOKENS), generator=generator),) for _ in range(4)]
+    targets = [torch.randint(0, _VOCAB, (2, _TOKENS), generator=generator) for _ in range(4)]
+
+    def loss(logits: torch.Tensor, k: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), targets[k].reshape(-1))
+
+    return stages, ids, loss
+
+
+class _HeadSkipped(_Block):
+    """A last stage whose head its forward skips: the loss applies it (torchtitan's ``_skip_lm_head``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(_DIM, _VOCAB, bias=False)
+
+
+def backward_in_loss() -> tuple[list[nn.Module], list[Any], Any]:
+    """H6: four stages whose loss runs a backward inside itself (a chunked loss applying the head)."""
+    from gradsafe.pipelining.schedule._inference_hazards import ChunkedHeadLoss
+
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [_Block(), _Block(), _Block(), _HeadSkipped()]
+    generator = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(2, 4, _DIM, generator=generator),) for _ in range(4)]
+    targets = [torch.randn(2, 4, _VOCAB, generator=generator) for _ in range(4)]
+    chunked = ChunkedHeadLoss(stages[3].head)
+
+    def loss(hidden: torch.Tensor, k: int) -> torch.Tensor:
+        return chunked(hidden, targets[k])
+
+    return stages, xs, loss
+
+
+class _DrawsFromPython(nn.Module):
+    """Scales its output by a draw from Python's ``random``, which verify does not seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        return self.lin(x) * (1 + random.random())
+
+
+def python_random_forward() -> tuple[nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    return _DrawsFromPython(), _batches()
+
+
+def raises_in_factory() -> tuple[nn.Module, list[Any]]:
+    raise KeyError("no such checkpoint: step-7")
+
+
+def hooked_first_stage() -> tuple[list[nn.Module], list[Any]]:
+    """Two stages; a post-accumulate hook on the first only (which a schedule runs fused)."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    stages[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    return stages, _batches()

@@ -220,7 +220,7 @@ def test_json_is_stable_and_serialisable() -> None:
     torch.manual_seed(0)
     data = verify(ParamOnlyOutput(), _batches(2), orders=("w-reversed",)).to_json()
     json.dumps(data)
-    assert data["format"] == "gradsafe.verify/1"
+    assert data["format"] == "gradsafe.verify/2"
     assert data["ok"] is True and data["orders"] == ["w-reversed"]
     assert set(data) >= {"gradsafe", "upstream", "grads", "hooks", "hazards", "refused", "dtype"}
     assert data["hazards"]["H1 parameter-only output"] == ["prefix"]

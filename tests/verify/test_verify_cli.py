@@ -24,7 +24,8 @@ def test_exact_model_exits_0_with_a_progress_line_per_run(
     assert main(["verify", "_factories:param_only_output"]) == 0
     out, err = capsys.readouterr()
     assert "H1 parameter-only output: prefix" in out and "OK: gradsafe equals" in out
-    assert err.count("verify: ") == 1 + 2 * 3  # the reference, then gradsafe and torch per order
+    # the reference twice (is it reproducible?), then gradsafe and torch per order
+    assert err.count("verify: ") == 2 + 2 * 3
 
 
 def test_json_and_orders_and_a_loss_from_the_factory(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,3 +73,13 @@ def test_unusable_factory_exits_2_naming_the_problem(
 ) -> None:
     assert main(["verify", spec]) == 2
     assert "gradsafe verify:" in capsys.readouterr().err
+
+
+def test_a_forward_drawing_from_pythons_random_exits_2_as_not_reproducible(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not exit 1 ("a gradsafe bug"): two fused runs already disagree.
+    assert main(["verify", "_factories:python_random_forward", "--orders", "w-after-b"]) == 2
+    err = capsys.readouterr().err
+    assert "the model is not reproducible: two fused backwards" in err
+    assert "lin.weight" in err and "Python's `random`" in err

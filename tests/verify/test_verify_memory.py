@@ -77,8 +77,8 @@ def test_memory_and_time_together_count_in_runs_of_their_own(
     assert main(["verify", "_factories:param_only_output", "--memory", "--time"]) == 0
     out, err = capsys.readouterr()
     assert "Backward time" in out and "Peak live tensor memory" in out
-    # warm-up, reference, 2 x 3 checked runs, then the fused and 2 x 3 counted runs
-    assert err.count("verify: ") == 2 + 6 + 1 + 6
+    # warm-up, reference twice, 2 x 3 checked runs, then the fused and 2 x 3 counted runs
+    assert err.count("verify: ") == 3 + 6 + 1 + 6
 
 
 def test_verify_keeps_no_graph_alive_so_the_splits_compare_as_a_schedule_runs_them() -> None:

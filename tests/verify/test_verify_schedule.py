@@ -42,6 +42,7 @@ def _check_agrees(data: dict, wrong_in_one_process: set[str]) -> None:  # type: 
     assert wrong_on_ranks == wrong_in_one_process
 
 
+@pytest.mark.distributed
 def test_zbv_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(HERE)
     proc = subprocess.run(
@@ -63,11 +64,13 @@ def test_zbv_on_two_gloo_ranks_agrees_with_one_process(monkeypatch: pytest.Monke
         timeout=400,
         check=False,
     )
+    assert proc.stdout, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     _check_agrees(data, _single_process_wrong())
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.distributed
 def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -84,6 +87,7 @@ def test_schedule_refuses_parameters_whose_gradient_a_hook_consumed() -> None:
         verify_schedule("_factories:stepped_in_backward", "ZBVZeroBubble", 2)
 
 
+@pytest.mark.distributed
 def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -112,3 +116,31 @@ def test_a_gradsafe_rank_refuses_when_the_pipelining_patch_does_not_apply(
     monkeypatch.setattr(gradsafe, "status", lambda: {"pipelining": skipped})
     with pytest.raises(RuntimeError, match=r"is skipped .*\(probe failed: X\).*torch's own split"):
         apply_gradsafe()
+
+
+@pytest.mark.distributed
+def test_schedule_reports_torchs_split_wrong_on_a_tied_v_and_gradsafes_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # H7: rank 0 of ZBV holds the embedding and the head tied to it; torch's step
+    # (scale_grads=True, as users run it) divides the shared table once per stage.
+    monkeypatch.chdir(HERE)
+    report = verify_schedule("_factories:tied_v", "ZBVZeroBubble", 2)
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    assert report.ok, str(report)
+    assert report.results["upstream"][0].verdict == "WRONG", str(report)
+    assert set(report.results["upstream"][0].params) == {"0.table", "3.table"}
+    assert report.results["upstream"][1].verdict == "right", str(report)
+
+
+@pytest.mark.distributed
+def test_schedule_reports_torchs_first_step_wrong_on_a_loss_that_runs_a_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # H6: the first step's metadata inference runs the loss (and its inner backward)
+    # on garbage, which lands in the head's gradient under torch; not under gradsafe.
+    monkeypatch.chdir(HERE)
+    report = verify_schedule("_factories:backward_in_loss", "ZBVZeroBubble", 2)
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    assert report.ok, str(report)
+    assert report.results["upstream"][0].params == ("3.head.weight",), str(report)
