@@ -123,7 +123,9 @@ def test_flops_in_b_and_w_follow_the_documented_table(
 
 
 def test_torchs_split_crashes_on_selective_checkpointing() -> None:
-    with pytest.raises(RuntimeError, match="backward an extra time"):
+    # 2.13 and newer: "Trying to backward an extra time"; 2.11's checkpoint
+    # recomputes in W and finds different tensors.
+    with pytest.raises(RuntimeError, match="backward an extra time|Recomputed values"):
         measure("torch", "selective", D // 4, D)
 
 

@@ -410,7 +410,14 @@ def test_delayed_kernel_stages_are_exact_under_torchs_zero_bubble_schedules(  # 
         with gradsafe.patch("pipelining"):
             stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
             cls = getattr(schedules, schedule)
-            cls(stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False).step(x, target=target)
+            try:
+                cls(stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False).step(
+                    x, target=target
+                )
+            except RuntimeError as exc:  # torch 2.11 sends between local stages over gloo
+                if "state_ >= CONNECTED" in str(exc) or "Pair is not connected" in str(exc):
+                    pytest.skip("this torch cannot run two stages on one gloo rank")
+                raise
     finally:
         dist.destroy_process_group()
     # Stage 1's B records for W (2 fused layers x 4 microbatches). Stage 0's input needs no
