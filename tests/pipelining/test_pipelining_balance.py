@@ -284,6 +284,18 @@ def test_dropout_without_preserved_rng_state_is_exact_as_regions_recompute_in_b(
     _compare(lambda: _Stage(8), order, policy, preserve=False)
 
 
+@pytest.mark.parametrize("policy", list(CheckpointedWeights), ids=lambda p: p.name)
+@pytest.mark.parametrize("order", ORDERS.values(), ids=list(ORDERS))
+def test_a_region_nested_in_one_without_preserved_rng_state_is_exact(
+    order: list[str], policy: CheckpointedWeights
+) -> None:
+    # The inner region restores the RNG state, the outer one (whose dropout
+    # makes the inner's input) does not: recomputing the inner again in W
+    # recomputes the outer too, with other masks, so RECOMPUTE_IN_W must leave
+    # the inner's weight gradients to B.
+    _compare(lambda: _Stage(8, nested=True), order, policy, preserve=False)
+
+
 def test_parameter_hooks_fire_once_in_w_on_a_checkpointed_stage() -> None:
     stage = _Stage(8).double()
     calls = []

@@ -6,8 +6,10 @@ keying that group's recomputed tensor in the region's
 ``_CheckpointFrame.recomputed``), reached through a node's
 ``_raw_saved_*`` (``SavedTensor.data``, the packed value, and
 ``SavedTensor.unpack_hook``); the region's ``_CheckpointFrame``, read from
-that unpack hook's closure (``frame``), and its ``recompute_fn``'s closure
-(``preserve_rng_state``, ``recompute_context``).
+that unpack hook's closure (``frame``), its ``recompute_fn``'s closure
+(``preserve_rng_state``, ``recompute_context``), and its saved inputs
+(``saved_args``; on torch 2.11 its ``input_saver``'s node's
+``_raw_saved_tensors``), which a region around it packs.
 
 A checkpointed region recomputes on the first unpack of any of its holders
 in a group, and each holder's unpack then sets its ``handles[group]`` to
@@ -20,7 +22,7 @@ the region recomputes once, and W reads the tensors B's recomputation made.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch.utils.checkpoint
@@ -100,23 +102,57 @@ def recomputes_alike(node: Node) -> bool:
 
     True for a plain region (no ``context_fn``: selective checkpointing's
     cache serves one recomputation only) that restores the RNG state
-    (``preserve_rng_state=True``: dropout draws the forward's masks). False
-    for anything else, and wherever this torch's checkpoint is not built as
-    read here.
+    (``preserve_rng_state=True``: dropout draws the forward's masks), inside
+    only such regions: a nested region's inputs are saved by the region
+    around it, which recomputes again too to give them. False for anything
+    else, and wherever this torch's checkpoint is not built as read here.
     """
-    for name in saved_names(type(node)):
-        saved = getattr(node, name)
-        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-            hook = getattr(item, "unpack_hook", None)
-            if hook is None:
-                continue
-            frame = _closure(hook).get("frame")
-            cells = _closure(getattr(frame, "recompute_fn", None))
-            if cells.get("preserve_rng_state") is not True:
-                return False
-            if type(cells.get("recompute_context")) is not contextlib.nullcontext:
-                return False
+    hooks = _unpack_hooks(
+        item for name in saved_names(type(node)) for item in _items(getattr(node, name))
+    )
+    seen: set[int] = set()
+    while hooks:
+        frame = _closure(hooks.pop()).get("frame")
+        if id(frame) in seen:
+            continue
+        seen.add(id(frame))
+        cells = _closure(getattr(frame, "recompute_fn", None))
+        if cells.get("preserve_rng_state") is not True:
+            return False
+        if type(cells.get("recompute_context")) is not contextlib.nullcontext:
+            return False
+        inputs = _saved_inputs(frame)
+        if inputs is None:
+            return False
+        hooks += _unpack_hooks(inputs)
     return True
+
+
+def _items(saved: Any) -> Sequence[Any]:
+    return saved if isinstance(saved, (list, tuple)) else (saved,)
+
+
+def _unpack_hooks(items: Iterable[Any]) -> list[Any]:
+    found = []
+    for item in items:
+        hook = getattr(item, "unpack_hook", None)
+        if hook is not None:
+            found.append(hook)
+    return found
+
+
+def _saved_inputs(frame: Any) -> Sequence[Any] | None:
+    """A region's saved inputs (``SavedTensor`` among other values); None if not readable here.
+
+    torch 2.12+ keeps them on the frame (``saved_args``); 2.11 on the node
+    of its ``input_saver`` output (``_raw_saved_tensors``).
+    """
+    saved = getattr(frame, "saved_args", None)
+    if saved is not None:
+        return list(saved)
+    saver = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    raw = getattr(saver, "_raw_saved_tensors", None)
+    return None if raw is None else list(raw)
 
 
 def _closure(fn: Any) -> dict[str, Any]:
