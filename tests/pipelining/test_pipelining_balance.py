@@ -359,6 +359,27 @@ def test_w_refuses_a_checkpointed_stage_whose_saved_tensors_another_backward_fre
         stage_backward_weight(stage.parameters(), handoff)
 
 
+@pytest.mark.parametrize("policy", list(CheckpointedWeights), ids=lambda p: p.name)
+def test_w_refuses_a_checkpointed_stage_whose_input_changed_in_place_after_b(
+    policy: CheckpointedWeights,
+) -> None:
+    # A receive buffer reused before W: the region's first Linear saved the
+    # stage input, which its recomputation gives W as a view of that input.
+    stage = Mlp(16, 1, "full").double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = stage(x)
+    with checkpointed_weights(policy):
+        _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+    with torch.no_grad():
+        x.copy_(torch.randn(4, 16, dtype=torch.float64))
+    if policy is CheckpointedWeights.IN_B:  # nothing left to read: W delivers B's gradients
+        stage_backward_weight(stage.parameters(), handoff)
+        return
+    with pytest.raises(SplitBackwardError, match="modified in place after B"):
+        stage_backward_weight(stage.parameters(), handoff)
+    assert all(p.grad is None for p in stage.parameters())
+
+
 def _exact_b_elsewhere(run_b: Callable[[Callable[[], Any]], Any]) -> None:
     torch.manual_seed(0)
     stage = Mlp(16, 2, "full").double()

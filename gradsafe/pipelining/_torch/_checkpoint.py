@@ -22,28 +22,31 @@ the region recomputes once, and W reads the tensors B's recomputation made.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._torch._nodes import saved_names
+from gradsafe.pipelining._torch._nodes import saved_names, version
 
-__all__ = ["checkpoint_holders", "recomputes_alike", "unpack_twice"]
+__all__ = ["KeptRecomputed", "checkpoint_holders", "recomputes_alike", "unpack_twice"]
 
 # None on a torch without non-reentrant checkpoint holders: no saved tensor is one.
 _HOLDER: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
 
 
-def checkpoint_holders(node: Node) -> tuple[Any, ...] | None:
-    """The holders non-reentrant ``torch.utils.checkpoint`` packed built-in ``node``'s saved tensors as.
+def checkpoint_holders(node: Node) -> tuple[tuple[Any, Any], ...] | None:
+    """The holders non-reentrant ``torch.utils.checkpoint`` packed built-in ``node``'s saved
+    tensors as, each with its region's ``_CheckpointFrame`` (None if not read here).
 
     None when some saved tensor came back through other saved-tensor hooks
     (offloading, a user's own): their unpack cannot be told to happen twice.
     Empty when no saved tensor went through hooks.
     """
-    holders: list[Any] = []
+    holders: list[tuple[Any, Any]] = []
     for name in saved_names(type(node)):
         saved = getattr(node, name)
         for item in saved if isinstance(saved, (list, tuple)) else (saved,):
@@ -52,7 +55,7 @@ def checkpoint_holders(node: Node) -> tuple[Any, ...] | None:
             packed = item.data
             if _HOLDER is None or not isinstance(packed, _HOLDER):
                 return None
-            holders.append(packed)
+            holders.append((packed, _closure(item.unpack_hook).get("frame")))
     return tuple(holders)
 
 
@@ -76,25 +79,58 @@ class _Handles(dict[Any, Any]):
         dict.__setitem__(self, key, value)
 
 
+class KeptRecomputed:
+    """The tensors B's recomputation kept for W (held weakly), with their versions when B ended.
+
+    Unpacking a checkpointed tensor checks no version, and a recomputed
+    tensor is a view of any tensor from outside its region that an op saved
+    (the region's input, a weight, a buffer): one of those modified in place
+    between B and W changes what W reads. W refuses then (:meth:`modified`),
+    as it does for a stage without checkpointing.
+    """
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[weakref.ref[torch.Tensor], int]] = []
+
+    def record(self, holders: Sequence[tuple[Any, Any]], group: Any) -> None:
+        for holder, frame in holders:
+            handle = dict.get(holder.handles, group)
+            by_handle = None if frame is None else frame.recomputed.get(group)
+            tensor = None if handle is None or by_handle is None else by_handle.get(handle)
+            if isinstance(tensor, torch.Tensor):
+                self._seen.append((weakref.ref(tensor), version(tensor)))
+
+    def modified(self) -> torch.Tensor | None:
+        """A kept tensor changed in place since B (None: none did)."""
+        for ref, seen in self._seen:
+            tensor = ref()
+            if tensor is not None and version(tensor) != seen:
+                return tensor
+        return None
+
+
 @contextlib.contextmanager
-def unpack_twice(holders: Sequence[Any], group: Any) -> Iterator[None]:
+def unpack_twice(holders: Sequence[tuple[Any, Any]], group: Any) -> Iterator[KeptRecomputed]:
     """While the ``with`` block (B's engine call) runs, unpacking a holder under ``group`` keeps it.
 
     Each holder's first unpack under ``group`` inside the block leaves its
     recomputed tensor in place; the next one (W's) takes it as usual and
     frees it. A holder unpacked no time in the block is left as torch
     made it (its tensor stays until its own unpack, as without gradsafe).
+    The value is filled when the block ends: the tensors kept for W.
     """
     wrapped = []
-    for holder in holders:
+    for holder, _ in holders:
         handles = _Handles(holder.handles, group)
         holder.handles = handles
         wrapped.append(handles)
+    kept = KeptRecomputed()
     try:
-        yield
+        yield kept
     finally:
         for handles in wrapped:
             handles.in_b = False
+        kept.record(holders, group)
 
 
 def recomputes_alike(node: Node) -> bool:
