@@ -187,7 +187,7 @@ def _stage_backward_input(
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     # Custom Functions B runs may leave their weight part to W (gradsafe.wgrad.split).
-    with kernels_defer_to_w(graph) as kernels, unpack_twice(twice, group):
+    with kernels_defer_to_w(graph) as kernels, unpack_twice(twice, group) as recomputed:
         captured, at_leaves = _run_b(
             graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group
         )
@@ -195,13 +195,7 @@ def _stage_backward_input(
         if leaf_variable(roots[i].edge.node) is None:
             roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
 
-    for i, tensor in inputs:
-        dinput = dinputs[i]
-        # Like a fused backward (and torch's B), leaf inputs also get `.grad`.
-        # Out of place: the previous `.grad` may be a gradient already handed on.
-        if dinput is not None and tensor.is_leaf:
-            tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
-
+    _accumulate_leaf_inputs(inputs, dinputs)
     w_nodes = [n for n in graph.weight_nodes if n not in in_k]
     keep, later = _detach_outputs(roots, graph, w_nodes, input_values)
     handoff = WeightGradHandoff(
@@ -215,8 +209,20 @@ def _stage_backward_input(
         num_nodes=graph.num_nodes,
         group=_w_group(group, policy),
         kernels=kernels,
+        recomputed=recomputed,
     )
     return tuple(dinputs), handoff
+
+
+def _accumulate_leaf_inputs(
+    inputs: Sequence[tuple[int, torch.Tensor]], dinputs: Sequence[torch.Tensor | None]
+) -> None:
+    """Like a fused backward (and torch's B), leaf inputs also get ``.grad``."""
+    for i, tensor in inputs:
+        dinput = dinputs[i]
+        # Out of place: the previous `.grad` may be a gradient already handed on.
+        if dinput is not None and tensor.is_leaf:
+            tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
 
 
 def _w_group(group: Any, policy: CheckpointedWeights) -> Any:

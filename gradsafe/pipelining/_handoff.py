@@ -16,6 +16,7 @@ from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._graph import StageGraph
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
+    KeptRecomputed,
     engine_error,
     freed_storages,
     is_modified_in_place,
@@ -286,6 +287,7 @@ class WeightGradHandoff:
         num_nodes: int,
         group: Any = None,
         kernels: KernelWeightGrads | None = None,
+        recomputed: KeptRecomputed | None = None,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
@@ -313,6 +315,8 @@ class WeightGradHandoff:
         # Custom Functions' weight parts B left unrun: W runs them first and
         # delivers them with the rest (None: no such kernel in the stage).
         self._kernels = None if kernels is None or kernels.deferred is None else kernels
+        # What B's recomputation kept for W: W refuses if one changed in place since.
+        self._recomputed = recomputed
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
@@ -479,6 +483,10 @@ class WeightGradHandoff:
                 "run (or have the kernel read a copy); then redo the microbatch's forward and "
                 "backward."
             )
+        if self._recomputed is not None and self._recomputed.modified() is not None:
+            raise SplitBackwardError(
+                f"W stopped before changing any parameter's gradient: a checkpointed op {_MODIFIED}"
+            )
         changed = self._gradient_changed_since_b()
         if changed is not None:
             raise SplitBackwardError(
@@ -558,6 +566,7 @@ class WeightGradHandoff:
         self._recorded = ()
         self._kept = ()
         self._group = None
+        self._recomputed = None
         if self._kernels is not None:
             self._kernels.discard()
             self._kernels = None

@@ -35,8 +35,8 @@ class CheckpointedWeights(enum.Enum):
     #: torch's own split holds. Only for regions a second recomputation
     #: reproduces: plain ``checkpoint`` (no ``context_fn``: selective
     #: checkpointing's cache serves one recomputation) with
-    #: ``preserve_rng_state=True``; B computes the others' weight gradients
-    #: (as ``IN_B``).
+    #: ``preserve_rng_state=True``, nested (if at all) only in such regions;
+    #: B computes the others' weight gradients (as ``IN_B``).
     RECOMPUTE_IN_W = "recompute_in_w"
     #: B computes them with the input gradients and keeps the finished weight
     #: gradients for W to deliver: W does no GEMM of those ops. Memory between

@@ -94,7 +94,7 @@ def weight_parts_in_b(
     return in_b, in_k, has_checkpoints, twice
 
 
-def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[Any, ...] | None:
+def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[tuple[Any, Any], ...] | None:
     """The checkpoint holders of a checkpointed intermediate W calls again (None: B runs it whole)."""
     if policy is CheckpointedWeights.IN_B or _has_post_hooks(node):
         # A node post hook sees input and weight gradients together only if B

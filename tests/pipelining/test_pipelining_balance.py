@@ -286,6 +286,18 @@ def test_dropout_without_preserved_rng_state_is_exact_as_regions_recompute_in_b(
     _compare(lambda: _Stage(8), order, policy, preserve=False)
 
 
+@pytest.mark.parametrize("policy", list(CheckpointedWeights), ids=lambda p: p.name)
+@pytest.mark.parametrize("order", ORDERS.values(), ids=list(ORDERS))
+def test_a_region_nested_in_one_without_preserved_rng_state_is_exact(
+    order: list[str], policy: CheckpointedWeights
+) -> None:
+    # The inner region restores the RNG state, the outer one (whose dropout
+    # makes the inner's input) does not: recomputing the inner again in W
+    # recomputes the outer too, with other masks, so RECOMPUTE_IN_W must leave
+    # the inner's weight gradients to B.
+    _compare(lambda: _Stage(8, nested=True), order, policy, preserve=False)
+
+
 def test_parameter_hooks_fire_once_in_w_on_a_checkpointed_stage() -> None:
     stage = _Stage(8).double()
     calls = []
@@ -347,6 +359,27 @@ def test_w_refuses_a_checkpointed_stage_whose_saved_tensors_another_backward_fre
     other.sum().backward()  # frees the saved tensors, checkpoint holders included
     with pytest.raises(SplitBackwardError, match="were freed"):
         stage_backward_weight(stage.parameters(), handoff)
+
+
+@pytest.mark.parametrize("policy", list(CheckpointedWeights), ids=lambda p: p.name)
+def test_w_refuses_a_checkpointed_stage_whose_input_changed_in_place_after_b(
+    policy: CheckpointedWeights,
+) -> None:
+    # A receive buffer reused before W: the region's first Linear saved the
+    # stage input, which its recomputation gives W as a view of that input.
+    stage = Mlp(16, 1, "full").double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = stage(x)
+    with checkpointed_weights(policy):
+        _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+    with torch.no_grad():
+        x.copy_(torch.randn(4, 16, dtype=torch.float64))
+    if policy is CheckpointedWeights.IN_B:  # nothing left to read: W delivers B's gradients
+        stage_backward_weight(stage.parameters(), handoff)
+        return
+    with pytest.raises(SplitBackwardError, match="modified in place after B"):
+        stage_backward_weight(stage.parameters(), handoff)
+    assert all(p.grad is None for p in stage.parameters())
 
 
 def _exact_b_elsewhere(run_b: Callable[[Callable[[], Any]], Any]) -> None:
