@@ -111,7 +111,8 @@ def stage_backward_input(
         offloaded ops and custom Functions that depend on a stage input (and
         checkpointed ops, as :func:`~gradsafe.pipelining.checkpointed_weights`
         chooses), with the weight side they reach (kept for W, which
-        delivers them). Like torch's B, the outputs are detached in place,
+        delivers them); a custom Function that records its weight part in
+        :func:`gradsafe.wgrad.split_wgrad_store` leaves that part to W. Like torch's B, the outputs are detached in place,
         except those another node of the stage consumes (a node W calls may
         have saved one): W detaches those.
 
