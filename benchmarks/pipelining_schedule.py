@@ -41,14 +41,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import enum
 import functools
-import inspect
 import os
 import platform
 import statistics
 import time
-import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -279,33 +276,27 @@ def _fused_b(outputs: list[torch.Tensor], grads: list[torch.Tensor], *_: Any) ->
 FUSED = Split(_fused_b, lambda params, handoff: None)
 
 
-def _choices(annotation: Any) -> list[Any]:
-    """The values a Literal or Enum annotation (possibly Optional) allows; [] for anything else."""
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return list(annotation)
-    values = []
-    for arg in typing.get_args(annotation):
-        if isinstance(arg, str | int | enum.Enum):
-            values.append(arg)  # a Literal's members
-        elif arg is not type(None):
-            values.extend(_choices(arg))
-    return values
+def _under(policy: Any, b: Callable[..., Any]) -> Callable[..., Any]:
+    """``b`` run under gradsafe's checkpointed-weights ``policy``."""
+
+    def run(*args: Any) -> Any:
+        with gradsafe_split.checkpointed_weights(policy):
+            return b(*args)
+
+    return run
 
 
 def split_policies() -> dict[str, Split]:
     """The splits measured, by name; to compare another, add an entry.
 
-    gradsafe's are found by feature: a keyword of ``stage_backward_input`` whose name contains
-    "policy", annotated with a Literal or an Enum, gives one entry per value; without one,
-    gradsafe's split as installed is one entry. (The "ideal" split is derived, not run.)
+    gradsafe's: one entry per ``gradsafe.pipelining.CheckpointedWeights`` policy
+    (where a checkpointed stage's weight GEMMs run), found by feature; without
+    it, gradsafe's split as installed. (The "ideal" split is derived, not run.)
     """
     gs_b, gs_w = gradsafe_split.stage_backward_input, gradsafe_split.stage_backward_weight
-    keyword = next((p for p in inspect.signature(gs_b).parameters if "policy" in p), None)
     policies: dict[str, Split] = {}
-    if keyword is not None:
-        for value in _choices(typing.get_type_hints(gs_b)[keyword]):
-            b = functools.partial(gs_b, **{keyword: value})
-            policies[f"gradsafe[{getattr(value, 'value', value)}]"] = Split(b, gs_w)
+    for policy in getattr(gradsafe_split, "CheckpointedWeights", ()):
+        policies[f"gradsafe[{policy.name}]"] = Split(_under(policy, gs_b), gs_w)
     if not policies:
         policies["gradsafe"] = Split(gs_b, gs_w)
     policies["torch"] = Split(torch_split.stage_backward_input, torch_split.stage_backward_weight)

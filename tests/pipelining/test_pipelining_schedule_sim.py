@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
-from typing import Literal
 
 import pytest
 
@@ -150,21 +149,12 @@ def test_torch_orders_are_extracted_whole(schedule: str, ranks: int) -> None:
     assert simulate(order, {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}) >= busy
 
 
-def test_a_policy_keyword_of_gradsafe_b_gives_one_column_per_value(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    real_b = bench.gradsafe_split.stage_backward_input
-
-    def without_policy(outputs, grads, inputs, weights):  # type: ignore[no-untyped-def]
-        return real_b(outputs, grads, inputs, weights)
-
-    def with_policy(*args, split_policy: Literal["keep", "recompute"] = "keep", **kwargs):  # type: ignore[no-untyped-def]
-        return real_b(*args, **kwargs)
-
-    monkeypatch.setattr(bench.gradsafe_split, "stage_backward_input", without_policy)
-    assert list(bench.split_policies()) == ["gradsafe", "torch", "fused"]
-    monkeypatch.setattr(bench.gradsafe_split, "stage_backward_input", with_policy)
+def test_each_checkpointed_weights_policy_of_gradsafe_gives_a_column(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     policies = bench.split_policies()
-    assert list(policies) == ["gradsafe[keep]", "gradsafe[recompute]", "torch", "fused"]
-    assert policies["gradsafe[recompute]"].b.keywords == {"split_policy": "recompute"}
+    names = [f"gradsafe[{p.name}]" for p in bench.gradsafe_split.CheckpointedWeights]
+    assert list(policies) == [*names, "torch", "fused"]
+    monkeypatch.delattr(bench.gradsafe_split, "CheckpointedWeights")
+    assert list(bench.split_policies()) == ["gradsafe", "torch", "fused"]
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])
