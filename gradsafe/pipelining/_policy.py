@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import warnings
 from collections.abc import Iterator
 
 __all__ = ["CheckpointedWeights", "checkpointed_weights", "current_policy"]
@@ -19,8 +20,9 @@ class CheckpointedWeights(enum.Enum):
     """Where the weight gradients of ops inside non-reentrant ``torch.utils.checkpoint`` regions
     (full or selective) are computed; docs/pipelining.md has the trade-off as formulas.
 
-    All are exact. Each region recomputes once per microbatch, in B, and
-    with ``RECOMPUTE_IN_W`` once more, in W.
+    ``IN_W`` and ``IN_B`` are exact. Each region recomputes once per
+    microbatch, in B, and with ``RECOMPUTE_IN_W`` once more, in W: exact only
+    where the second recomputation reproduces the first (see its entry).
     """
 
     #: The default. W computes them: B keeps, from its recomputation, the
@@ -36,7 +38,10 @@ class CheckpointedWeights(enum.Enum):
     #: reproduces: plain ``checkpoint`` (no ``context_fn``: selective
     #: checkpointing's cache serves one recomputation) with
     #: ``preserve_rng_state=True``, nested (if at all) only in such regions;
-    #: B computes the others' weight gradients (as ``IN_B``).
+    #: B computes the others' weight gradients (as ``IN_B``). Not detected,
+    #: and wrong: a region whose forward updates state it reads (a buffer, a
+    #: step counter, ``spectral_norm``) recomputes to other tensors in W;
+    #: choosing this policy warns once (``UserWarning``).
     RECOMPUTE_IN_W = "recompute_in_w"
     #: B computes them with the input gradients and keeps the finished weight
     #: gradients for W to deliver: W does no GEMM of those ops. Memory between
@@ -75,6 +80,16 @@ def checkpointed_weights(policy: CheckpointedWeights) -> Iterator[None]:
         raise TypeError(
             f"checkpointed_weights takes a gradsafe.pipelining.CheckpointedWeights, got "
             f"{policy!r}: use CheckpointedWeights.IN_W (the default), RECOMPUTE_IN_W or IN_B."
+        )
+    if policy is CheckpointedWeights.RECOMPUTE_IN_W:
+        warnings.warn(
+            "CheckpointedWeights.RECOMPUTE_IN_W recomputes each checkpointed region again in W: "
+            "a region whose forward updates state it reads (a buffer, a step counter, "
+            "spectral_norm) gives W other tensors than B's, so its weight gradients differ from "
+            "a fused backward's, silently. Use it only for regions that are pure functions of "
+            "their inputs and parameters; IN_W (the default) and IN_B are exact there too.",
+            UserWarning,
+            stacklevel=3,
         )
     token = _POLICY.set(policy)
     try:

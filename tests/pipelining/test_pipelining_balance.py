@@ -444,3 +444,9 @@ def test_a_post_hook_on_a_checkpointed_op_keeps_its_weight_gradients_in_b() -> N
     assert split_seen == fused_seen
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_choosing_recompute_in_w_warns_that_stateful_regions_are_not_detected() -> None:
+    with pytest.warns(UserWarning, match="updates state it reads"):
+        with checkpointed_weights(RECOMPUTE):
+            pass
