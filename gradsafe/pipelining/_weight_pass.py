@@ -511,6 +511,10 @@ def deliver_as_ready(
     weight-only node or accumulator as is); ``progress`` then says how many
     leaves already hold their gradient.
     """
+    # long: W's whole delivery schedule in one place. The nested steps (add,
+    # deliver, deliver_or_defer, after_call) share this pass's per-component
+    # state (sums, pending counts, the deferred list), which closures keep
+    # local to one W; read top to bottom, it is the order a W runs in.
     progress.total = len(leaves)
     component = _components(weight_nodes, leaves, leaf_tensors)
     leaf_of = dict(zip(leaves, leaf_tensors))
