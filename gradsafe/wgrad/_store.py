@@ -320,7 +320,7 @@ class PendingWeightGrads:
                 fused = [use for use in uses if use.accumulate_into_main_grad]
                 unfused = [use for use in uses if not use.accumulate_into_main_grad]
                 if fused:
-                    _accumulate_into_main_grad(param, fused)
+                    accumulate_into_main_grad(param, [use.compute for use in fused])
                     flag_main_grad_written(param)
                 if unfused:
                     _accumulate_into_grad(param, unfused, read)
@@ -335,15 +335,16 @@ class PendingWeightGrads:
                         hook(param)
 
 
-def _accumulate_into_main_grad(param: torch.Tensor, uses: list[_Use]) -> None:
+def accumulate_into_main_grad(param: torch.Tensor, computes: list[WeightGradClosure]) -> None:
+    """Run fused closures into ``param.main_grad`` (also the split's W: gradsafe.wgrad.split)."""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         raise RuntimeError(
             "weight gradient recorded with accumulate_into_main_grad=True, but the parameter has "
             "no main_grad at W time; allocate param.main_grad before W or record without fusion"
         )
-    for use in uses:
-        if use.compute(main_grad) is not None:
+    for compute in computes:
+        if compute(main_grad) is not None:
             raise RuntimeError(
                 "a fused WeightGradClosure returned a tensor; when called with main_grad it must add "
                 "its gradient into main_grad and return None"

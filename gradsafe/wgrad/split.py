@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 
 from gradsafe.wgrad._policy import wgrad_return
-from gradsafe.wgrad._store import WeightGradClosure, _Read, _read
+from gradsafe.wgrad._store import WeightGradClosure, _Read, _read, accumulate_into_main_grad
 
 __all__ = ["DeferredWeightGrads", "SplitWeightGradStore", "open_split_store", "split_wgrad_store"]
 
@@ -203,18 +203,7 @@ def _compute_param(group: Sequence[_Use]) -> tuple[torch.Tensor, torch.Tensor | 
         total = grad if total is None else total + grad  # never into a closure's tensor
     fused = [use for use in group if use.accumulate_into_main_grad]
     if fused:
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError(
-                "a weight gradient was recorded with accumulate_into_main_grad=True, but the "
-                "parameter has no main_grad at W time; allocate param.main_grad before W"
-            )
-        for use in fused:
-            if use.compute(main_grad) is not None:
-                raise RuntimeError(
-                    "a fused WeightGradClosure returned a tensor; called with main_grad it must "
-                    "add its gradient into main_grad and return None"
-                )
+        accumulate_into_main_grad(param, [use.compute for use in fused])
         # One fused use in a backward returns the dummy (or None): the same here.
         returned = wgrad_return(param, None, accumulate_into_main_grad=True, delayed=False)
         if total is None:
