@@ -12,6 +12,7 @@ module that exports it, and the others point to it.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
 import importlib
@@ -19,6 +20,7 @@ import inspect
 import pkgutil
 import re
 import sys
+import typing
 from pathlib import Path
 from types import ModuleType
 
@@ -139,9 +141,38 @@ def _first_paragraph(obj: object, lead: str = "") -> str:
     return lead + " ".join(doc.split("\n\n")[0].split()) if doc else ""
 
 
+def _alias(name: str) -> tuple[str, str] | None:
+    """A ``Name: TypeAlias = ...`` in gradsafe's source: its value as written and its docstring.
+
+    Read from the source because Python shows a generic alias differently from
+    one release to the next (3.10 calls ``Callable[...]`` a class) and keeps no
+    docstring for it.
+    """
+    for path in sorted((ROOT / "gradsafe").rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        for i, node in enumerate(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == name
+                and ast.unparse(node.annotation) == "TypeAlias"
+                and node.value is not None
+            ):
+                after = body[i + 1] if i + 1 < len(body) else None
+                doc = ""
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    doc = _rst_to_md(inspect.cleandoc(str(after.value.value)))
+                return ast.unparse(node.value), doc
+    return None
+
+
 def _describe(module: str, name: str, obj: object) -> list[str]:
     lines = [f"### `{module}.{name}`", ""]
-    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+    alias = _alias(name) if typing.get_origin(obj) is not None else None
+    if alias is not None:
+        value, doc = alias
+        lines += [f"type alias `{name} = {value}`", "", doc or "(no docstring)", ""]
+    elif inspect.isclass(obj) and issubclass(obj, enum.Enum):
         # An enum's signature differs between Python releases; its members do not.
         values = ", ".join(f"`{m.name}` = `{m.value!r}`" for m in obj)
         lines += [f"enum `{name}`: {values}", "", _doc(obj), ""]

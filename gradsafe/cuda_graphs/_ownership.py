@@ -56,6 +56,7 @@ from gradsafe.cuda_graphs._autograd import (
 __all__ = ["Ownership", "Replays", "owning_graphed", "OWNERSHIP_POLICIES"]
 
 Ownership: TypeAlias = Literal["auto", "always", "never"]
+"""Which gradients a graphed callable copies out of its static buffers (``make_graphed_callables``'s ``ownership``)."""
 OWNERSHIP_POLICIES: tuple[Ownership, ...] = ("auto", "always", "never")
 
 # Class attribute marking gradsafe's Graphed subclasses (and, through

@@ -92,6 +92,7 @@ class ItemTarget:
 
 
 Target: TypeAlias = Union[AttrTarget, ItemTarget]
+"""One slot a patch replaces: an attribute of an object or an item of a table."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Skip:
 
 
 Plan: TypeAlias = Union[Sequence[Target], Skip]
+"""What a patch's planner returns for the installed torch: the slots to replace, or why none."""
 
 
 @dataclasses.dataclass(frozen=True)

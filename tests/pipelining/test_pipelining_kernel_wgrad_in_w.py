@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.util
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -477,5 +478,7 @@ def test_out_of_memory_in_a_kernels_closure_reaches_the_caller_as_itself(example
     _, handoff = stage_backward_input(OutOfMemory.apply(x, w), torch.ones(2, 3), [x], [w])
     with pytest.raises(torch.OutOfMemoryError, match="injected") as caught:
         stage_backward_weight([w], handoff)
-    assert any("delayed weight gradient" in note for note in getattr(caught.value, "__notes__", []))
+    if sys.version_info >= (3, 11):  # exception notes
+        notes = getattr(caught.value, "__notes__", [])
+        assert any("delayed weight gradient" in note for note in notes), notes
     assert w.grad is None and handoff.state.value == "failed"
