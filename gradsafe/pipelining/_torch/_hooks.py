@@ -27,6 +27,7 @@ from gradsafe.pipelining._torch._engine import on_device_thread
 
 __all__ = [
     "MultiGradHook",
+    "delivering",
     "fired_once_across",
     "has_other_post_hooks",
     "module_backward_hook_dicts",
@@ -61,25 +62,67 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     weight, or one run from a hook inside the capture) runs them as usual.
     Threads whose captures overlap on a leaf share its stand-in; the last to
     leave puts the leaf's own dict back.
+
+    Installing or removing a stand-in replaces the hook autograd's engine
+    iterates over, so it waits while another thread's W delivers the leaf
+    (:func:`delivering`): done during that engine call, it crashed the process.
     """
     me = threading.get_ident()
     entered: list[_Window] = []
     try:
-        with _WINDOWS_LOCK:
+        with _SWAPS:
             for leaf in leaves:
                 window = _WINDOWS.get(id(leaf))
                 if window is None:
-                    window = _WINDOWS[id(leaf)] = _Window(leaf)
+                    _SWAPS.wait_for(functools.partial(_undelivered, leaf, me))
+                    window = _WINDOWS.get(id(leaf))  # opened by another thread meanwhile
+                    if window is None:
+                        window = _WINDOWS[id(leaf)] = _Window(leaf)
                 window.threads.append(me)
                 entered.append(window)
         yield
     finally:
-        with _WINDOWS_LOCK:
+        with _SWAPS:
             for window in entered:
                 window.threads.remove(me)
                 if not window.threads:
-                    del _WINDOWS[id(window.leaf)]
-                    window.close()
+                    _SWAPS.wait_for(functools.partial(_undelivered, window.leaf, me))
+                    if not window.threads:  # nobody entered it meanwhile
+                        del _WINDOWS[id(window.leaf)]
+                        window.close()
+
+
+@contextlib.contextmanager
+def delivering(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Mark the leaves as delivered by an engine call of this thread (W's) for the duration.
+
+    No other thread installs or removes a stand-in for their hooks meanwhile
+    (:func:`silenced_tensor_hooks` waits): the engine runs a leaf's hooks
+    through one hook object, which replacing the leaf's ``_backward_hooks``
+    frees, mid-call (a segfault). It also keeps a stand-in's lookup of the
+    leaf's accumulator from running while W's helper node, made with the GIL
+    held, reads it (torch 2.13 takes the accumulator's lock, then the GIL:
+    a deadlock).
+    """
+    me = threading.get_ident()
+    ids = [id(leaf) for leaf in leaves]
+    with _SWAPS:
+        for i in ids:
+            _DELIVERING[i].append(me)
+    try:
+        yield
+    finally:
+        with _SWAPS:
+            for i in ids:
+                threads = _DELIVERING[i]
+                threads.remove(me)
+                if not threads:
+                    del _DELIVERING[i]
+            _SWAPS.notify_all()
+
+
+def _undelivered(leaf: torch.Tensor, me: int) -> bool:
+    return all(thread == me for thread in _DELIVERING.get(id(leaf), ()))
 
 
 class _Window:
@@ -113,7 +156,10 @@ class _Window:
 # The leaves whose hooks are silenced now, across threads, by id (a window holds its
 # leaf, so the id is not reused while it is open; it is dropped when the last thread leaves).
 _WINDOWS: dict[int, _Window] = {}
-_WINDOWS_LOCK = threading.Lock()
+# The leaves a W of some thread delivers now, by id (W holds them), with those threads.
+_DELIVERING: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
+# Guards both; stand-ins are installed and removed only under it.
+_SWAPS = threading.Condition(threading.Lock())
 
 
 class _SilentAtCapture:
