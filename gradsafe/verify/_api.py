@@ -102,7 +102,9 @@ def verify(
             counting does not slow the timed ones.
         work: also count each stage's backward matmul FLOPs in B and in W
             (:class:`~gradsafe.verify._report.WorkShare`: W's share, and the
-            forwards re-run in backward); not with ``time_backward`` (the
+            forwards re-run in backward), and run gradsafe's split once more
+            with activation checkpointing turned off, to flag a split whose W
+            share is under half that run's; not with ``time_backward`` (the
             counting would slow the timed runs), not on CUDA.
         progress: called with one line per run (the command line prints it).
 
