@@ -31,7 +31,8 @@ from gradsafe.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-from gradsafe.pipelining._balance import Split, counted_flops, measure
+from gradsafe.pipelining._balance import Split, measure
+from gradsafe.testing import MatmulFlops
 
 SPLITS: tuple[Split, ...] = (*CheckpointedWeights, "torch", "fused")
 
@@ -88,9 +89,9 @@ def torchtitan_stages() -> None:
         for i in range(1, len(stages) - 1):
             x, out = pairs[i]
             params = list(stages[i].parameters())
-            with checkpointed_weights(policy), counted_flops() as b:
+            with checkpointed_weights(policy), MatmulFlops(forwards=True) as b:
                 _, handoff = stage_backward_input(out, torch.ones_like(out), [x], params)
-            with counted_flops() as w:
+            with MatmulFlops(forwards=True) as w:
                 stage_backward_weight(params, handoff)
             grads = b.total - b.in_forward + w.total
             print(

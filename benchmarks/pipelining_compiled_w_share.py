@@ -26,35 +26,11 @@ import platform
 
 import torch
 import torch._functorch.config
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import flop_registry
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
+from gradsafe.testing import MatmulFlops
 
 D, TOKENS, BLOCKS = 64, 64, 2
-
-
-class MatmulFlops(TorchDispatchMode):
-    """Matmul FLOPs per ``phase`` (a plain dispatch mode: FlopCounterMode's module tracker adds autograd hooks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "other"
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            shapes = tree_map(
-                lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs, out)
-            )
-            self.counts[self.phase] = self.counts.get(self.phase, 0) + count(
-                *shapes[0], **shapes[1], out_val=shapes[2]
-            )
-        return out
 
 
 def block() -> torch.nn.Module:
@@ -107,7 +83,7 @@ def measure(mode: str) -> tuple[dict[str, int], float]:
         stage_backward_weight(params, handoff)
     got = [p.grad for p in params] + [dx]
     err = max((a - b).abs().max().item() for a, b in zip(got, want))  # type: ignore[operator]
-    return counter.counts, err
+    return dict(counter.counts), err
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ Run: PYTHONPATH=. python benchmarks/pipelining_schedule.py [--d 128] [--tokens 3
    full``, or selective AC saving the matmul outputs, torchtitan's "op" policy, with ``sac``)
    is measured per split policy: its forward F, the split's B (torch's I: input gradients)
    and W (weight gradients), and a fused backward. Once in matmul FLOPs (FlopCounterMode's
-   count, ``torch.utils.flop_counter.flop_registry``), once in thread CPU time (min and median
+   formulas, ``torch.utils.flop_counter.flop_registry``, counted by
+   ``gradsafe.testing.MatmulFlops``: FlopCounterMode's module hooks abort a checkpointed
+   block's recomputation), once in thread CPU time (min and median
    over ``--reps`` repetitions, the policies interleaved in a rotating order, one intra-op
    thread, fp32). The policies (``split_policies``):
 
@@ -56,15 +58,14 @@ from torch import nn
 from torch.distributed.pipelining import _backward as torch_split
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
-from torch.utils.flop_counter import flop_registry
 
 import gradsafe.pipelining as gradsafe_split
+from gradsafe.testing import MatmulFlops
 
 # torch's names for compute actions: I is gradsafe's B (input gradients), B a full backward.
 Kind = Literal["F", "I", "W", "B"]
@@ -325,32 +326,11 @@ class StageCosts:
         }
 
 
-class _MatmulFlops(TorchDispatchMode):
-    """FlopCounterMode's count (its ``flop_registry``: matmuls, convolutions, attention), without its module tracker.
-
-    FlopCounterMode also hooks every module's forward; a checkpointed block's recomputation
-    runs those hooks too, and the ops they add abort it ("encountered during backward but
-    not found in storage").
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            self.total += count(*args, **kwargs, out_val=out)
-        return out
-
-
 @contextlib.contextmanager
 def _measured(flops: bool, into: list[float]) -> Iterator[None]:
     """Appends to ``into`` what the block costs: matmul FLOPs, or thread CPU seconds."""
     if flops:
-        with _MatmulFlops() as counter:
+        with MatmulFlops() as counter:
             yield
         into.append(float(counter.total))
     else:

@@ -31,11 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from gradsafe.pipelining import stage_backward_input, stage_backward_weight
-from gradsafe.testing import MegatronStyleDDP
+from gradsafe.testing import MatmulFlops, MegatronStyleDDP
 from gradsafe.wgrad import (
     WeightGradStore,
     mark_delayed_wgrad,
@@ -194,31 +192,6 @@ def largest_error(*, fused: bool, delayed: bool, microbatches: int = 4) -> float
     return err
 
 
-class MatmulFlops(TorchDispatchMode):
-    """Counts matmul FLOPs (torch's flop formulas) into ``counts[phase]``, ``phase`` set by the caller.
-
-    A plain dispatch mode: ``FlopCounterMode``'s module tracker installs
-    autograd hooks of its own, which a split backward must not see.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "other"
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            shapes = torch.utils._pytree.tree_map(
-                lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs, out)
-            )
-            flops = count(*shapes[0], **shapes[1], out_val=shapes[2])
-            self.counts[self.phase] = self.counts.get(self.phase, 0) + flops
-        return out
-
-
 class Stage(torch.nn.Sequential):
     """A pipeline stage of fused layers: (FusedLinear d->4d, GELU, FusedLinear 4d->d) x ``blocks``."""
 
@@ -242,7 +215,7 @@ def split_flops(d: int = 64, tokens: int = 64, blocks: int = 2) -> dict[str, int
         _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
         counter.phase = "W"
         stage_backward_weight(stage.parameters(), handoff)
-    return counter.counts
+    return dict(counter.counts)
 
 
 def w_share(d: int = 64, tokens: int = 64, blocks: int = 2) -> float:

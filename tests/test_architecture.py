@@ -390,10 +390,11 @@ INTERNALS_MODULES = {
     "gradsafe.wgrad": {"gradsafe.wgrad._torch"},
     # A dispatch mode (no public API for one): the CPU graph recorder.
     "gradsafe.testing": {"gradsafe.testing._graph_recorder"},
-    # A dispatch mode and storages' identities: live tensor memory on any device.
-    "gradsafe._shared": {"gradsafe._shared.live_storage"},
-    # A dispatch mode: verify's count of backward matmul FLOPs (FlopCounterMode's breaks checkpoints).
-    "gradsafe.verify": {"gradsafe.verify._work"},
+    # Dispatch modes: live tensor memory on any device (and storages' identities), and the
+    # FLOP counter (FlopCounterMode's module hooks break a split's B and checkpoints).
+    "gradsafe._shared": {"gradsafe._shared.live_storage", "gradsafe._shared.flops"},
+    # torch.utils.checkpoint's call-time globals, replaced for verify's run without checkpoints.
+    "gradsafe.verify": {"gradsafe.verify._uncheckpointed"},
 }
 
 

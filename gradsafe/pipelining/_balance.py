@@ -4,11 +4,9 @@ The measurement behind docs/pipelining.md's balance table, written once for
 its tests (tests/pipelining/test_pipelining_balance.py) and its benchmark
 (benchmarks/pipelining_balance.py). FLOPs are counted with
 ``torch.utils.flop_counter``'s formulas (matmuls: ``mm``, ``addmm``, ``bmm``
-...) by a dispatch mode of its own: ``FlopCounterMode`` registers a
-``register_multi_grad_hook(mode="all")`` per module it sees run, which no
-``autograd.grad`` (a split's B, torch's or gradsafe's) accepts, and a
-checkpointed region's modules run inside B. FLOPs counted while a module's
-forward runs during a backward are recomputation. Bytes are
+...) by :class:`~gradsafe._shared.flops.MatmulFlops` (``FlopCounterMode``'s
+module hooks break a split's B); FLOPs counted while a module's forward runs
+during a backward are recomputation. Bytes are
 :class:`~gradsafe._shared.live_storage.LiveStorage`'s.
 """
 
@@ -26,13 +24,13 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
-from torch.utils.flop_counter import flop_registry
 
+from gradsafe._shared.flops import MatmulFlops
 from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining._policy import CheckpointedWeights, checkpointed_weights
-from gradsafe.pipelining._torch import TorchDispatchMode, split_backward_module
+from gradsafe.pipelining._torch import split_backward_module
 
-__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "counted_flops", "measure", "save_matmuls"]
+__all__ = ["Balance", "Checkpointing", "Mlp", "Split", "measure", "save_matmuls"]
 
 Checkpointing = Literal["none", "full", "selective"]
 #: gradsafe's split under a policy, torch's own split, or a fused backward.
@@ -80,46 +78,6 @@ class Mlp(nn.Module):
         return x
 
 
-class _Flops(TorchDispatchMode):
-    """Matmul FLOPs by ``torch.utils.flop_counter``'s formulas, apart those run inside a module's forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-        self.in_forward = 0
-        self._depth = 0
-        self._hooks: list[Any] = []
-
-    def __enter__(self) -> _Flops:
-        self._hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-            # always_call: an early-stopped recomputation leaves the forward by an exception.
-            nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
-        ]
-        return super().__enter__()  # type: ignore[no-any-return]
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        for hook in self._hooks:
-            hook.remove()
-
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-
-    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth -= 1
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            flops = formula(*args, **(kwargs or {}), out_val=out)
-            self.total += flops
-            if self._depth:
-                self.in_forward += flops
-        return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Balance:
     """One microbatch's backward, split (or fused), measured."""
@@ -156,13 +114,8 @@ class Balance:
         return recomputed / self.forward if self.forward else 0.0
 
 
-def counted_flops() -> _Flops:
-    """A context manager counting matmul FLOPs (``.total``; ``.in_forward``: inside a module's forward)."""
-    return _Flops()
-
-
-def _counted(run: Callable[[], Any]) -> tuple[Any, _Flops]:
-    with _Flops() as flops:
+def _counted(run: Callable[[], Any]) -> tuple[Any, MatmulFlops]:
+    with MatmulFlops(forwards=True) as flops:
         result = run()
     return result, flops
 

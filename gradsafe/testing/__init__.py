@@ -13,8 +13,12 @@
   of zero-bubble schedules) gives a fused backward's gradients on a model.
 * :class:`LiveStorage` counts the tensor storage alive operator by operator
   (and its peak), on any device, so memory conditions can be tested.
+* :class:`MatmulFlops` counts the FLOPs of matmuls, convolutions and attention
+  per phase (B, W) where ``FlopCounterMode`` cannot run: around a split
+  backward and a checkpoint's recomputation.
 """
 
+from gradsafe._shared.flops import MatmulFlops
 from gradsafe._shared.live_storage import LiveStorage
 from gradsafe._shared.megatron_ddp import HookCall, MegatronStyleDDP
 from gradsafe.testing._cuda_emulation import (
@@ -32,6 +36,7 @@ __all__ = [
     "EmulatedStream",
     "HookCall",
     "LiveStorage",
+    "MatmulFlops",
     "MegatronStyleDDP",
     "assert_split_exact",
     "emulate_cuda_graphs",

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradsafe.pipelining import SplitBackwardError
-from gradsafe.verify import _isolate, _run
+from gradsafe.verify import _isolate, _run, _uncheckpointed
 from gradsafe.verify._report import (
     CRASH,
     EXACT,
@@ -102,7 +102,9 @@ def verify(
             counting does not slow the timed ones.
         work: also count each stage's backward matmul FLOPs in B and in W
             (:class:`~gradsafe.verify._report.WorkShare`: W's share, and the
-            forwards re-run in backward); not with ``time_backward`` (the
+            forwards re-run in backward), and run gradsafe's split once more
+            with activation checkpointing turned off, to flag a split whose W
+            share is under half that run's; not with ``time_backward`` (the
             counting would slow the timed runs), not on CUDA.
         progress: called with one line per run (the command line prints it).
 
@@ -185,20 +187,48 @@ def _verify(
     report = _report(
         reference, runs, tuple(orders), dtype, len(modules), len(batches), time_backward
     )
-    return dataclasses.replace(report, memory=peaks, work=_work(reference, runs, len(modules)))
+    work = None
+    if reference.flops is not None:
+        work = _work(reference, runs, len(modules), _uncheckpointed_run(one, orders[0]))
+    return dataclasses.replace(report, memory=peaks, work=work)
+
+
+def _uncheckpointed_run(one: Callable[..., RunResult], order: str) -> RunResult | str:
+    """gradsafe's split with activation checkpointing turned off (the reference of the W-share
+    flag), or why it was not measured."""
+    names = _uncheckpointed.globals_to_replace()
+    if isinstance(names, str):
+        return names
+    label = f"gradsafe's split, {order}, checkpointing off (W share reference)"
+    with _uncheckpointed.checkpointing_off(names):
+        run = one(_gradsafe_split(), order, label, False)
+    if run.error is not None:
+        return f"the run without checkpointing failed ({run.where}): {run.error!r}"
+    return run
 
 
 def _work(
-    reference: RunResult, runs: dict[str, dict[str, RunResult]], stages: int
-) -> dict[str, dict[str, tuple[WorkShare, ...]]] | None:
-    """Per implementation and order (fused: "fused"), each stage's B and W FLOPs and re-runs;
-    None when the runs did not count FLOPs. Crashed runs are left out."""
-    if reference.flops is None:
-        return None
+    reference: RunResult,
+    runs: dict[str, dict[str, RunResult]],
+    stages: int,
+    uncheckpointed: RunResult | str,
+) -> dict[str, dict[str, tuple[WorkShare, ...]]]:
+    """Per implementation and order (fused: "fused"; the run without checkpointing:
+    "uncheckpointed"), each stage's B and W FLOPs and re-runs, the splits' against the
+    uncheckpointed W share. Crashed runs are left out."""
     table = {"fused": {"fused": reference}} | runs
+    plain: tuple[WorkShare | str, ...]
+    if isinstance(uncheckpointed, str):
+        plain = (uncheckpointed,) * stages
+    else:
+        table["uncheckpointed"] = {next(iter(runs["gradsafe"])): uncheckpointed}  # first order's
+        plain = tuple(_stage_work(uncheckpointed, s, stages) for s in range(stages))
     return {
         impl: {
-            order: tuple(_stage_work(run, s, stages) for s in range(stages))
+            order: tuple(
+                _stage_work(run, s, stages, plain[s] if impl in runs else None)
+                for s in range(stages)
+            )
             for order, run in per.items()
             if run.error is None and run.flops is not None
         }
@@ -206,7 +236,11 @@ def _work(
     }
 
 
-def _stage_work(run: RunResult, stage: int, stages: int) -> WorkShare:
+def _stage_work(
+    run: RunResult, stage: int, stages: int, uncheckpointed: WorkShare | str | None = None
+) -> WorkShare:
+    """One stage's work in ``run``; a split's compared with ``uncheckpointed`` (that stage
+    without checkpointing, or why it was not measured)."""
     flops = run.flops or {}
     b = flops.get(("B", stage), 0)
     w = flops.get(("W", stage), 0) + flops.get(("BW", stage), 0)
@@ -222,7 +256,14 @@ def _stage_work(run: RunResult, stage: int, stages: int) -> WorkShare:
         and label.endswith(" recomputed in backward")
         and own(label.removeprefix("forward of ").removesuffix(" recomputed in backward"))
     )
-    return WorkShare(stage, b, w, w / (b + w) if b + w else None, recomputed)
+    share = w / (b + w) if b + w else None
+    if uncheckpointed is None:
+        return WorkShare(stage, b, w, share, recomputed)
+    if isinstance(uncheckpointed, str):
+        return WorkShare(stage, b, w, share, recomputed, not_measured=uncheckpointed)
+    plain = uncheckpointed.w_share
+    low = share is not None and plain is not None and plain > 0 and share < 0.5 * plain
+    return WorkShare(stage, b, w, share, recomputed, plain, low)
 
 
 def _refuse_unreproducible(first: RunResult, second: RunResult, dtype: torch.dtype) -> None:

@@ -96,13 +96,23 @@ class Memory:
 class WorkShare:
     """One stage's backward in one run: matmul FLOPs run in B and in W (a fused backward, and
     the fused first of several stages, count all in W), W's share of them, and how many module
-    forwards ran again during the backward (checkpoint recomputations, nested modules each)."""
+    forwards ran again during the backward (checkpoint recomputations, nested modules each).
+
+    For a split (gradsafe's, torch's), ``uncheckpointed_w_share`` is the same stage's W share
+    in one extra run of gradsafe's split with activation checkpointing turned off, and
+    ``w_share_low`` flags a W share under half of it: the checkpointed regions' weight work
+    runs in B, leaving a zero-bubble schedule less W to fill its bubbles with.
+    ``not_measured`` says why that reference is missing ("" when measured, and off splits).
+    """
 
     stage: int
     b_flops: int
     w_flops: int
     w_share: float | None  # w_flops / (b_flops + w_flops); None without matmuls
     recomputed: int
+    uncheckpointed_w_share: float | None = None
+    w_share_low: bool = False
+    not_measured: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,17 +318,28 @@ def _memory_lines(memory: Mapping[str, Mapping[str, Memory]]) -> list[str]:
 def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[str]:
     lines = [
         "W's share of backward matmul FLOPs per stage (forwards re-run in backward; the fused "
-        "first of several stages runs all in W):"
+        "first of several stages runs all in W; uncheckpointed: gradsafe's split with "
+        "activation checkpointing off; LOW: under half the uncheckpointed share):"
     ]
+    shares = [w for per_order in work.values() for stages in per_order.values() for w in stages]
     for impl, per_order in work.items():
         for order, stages in per_order.items():
             cells = [
                 f"stage {w.stage} "
                 + ("-" if w.w_share is None else f"{w.w_share:.0%}")
                 + f" ({w.recomputed} re-run)"
+                + (" LOW" if w.w_share_low else "")
                 for w in stages
             ]
-            lines.append(f"  {impl:8} {order:12} " + ", ".join(cells))
+            lines.append(f"  {impl:14} {order:12} " + ", ".join(cells))
+    if any(w.w_share_low for w in shares):
+        lines.append(
+            "  LOW: the checkpointed regions' weight gradients run in B, so a zero-bubble "
+            "schedule has that much less W to fill its bubbles with; gradsafe's default policy "
+            "CheckpointedWeights.IN_W runs them in W (docs/pipelining.md)."
+        )
+    missing = {w.not_measured for w in shares if w.not_measured}
+    lines += [f"  Uncheckpointed share not measured: {why}." for why in missing]
     return lines
 
 

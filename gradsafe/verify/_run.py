@@ -22,11 +22,11 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import is_lazy
 
+from gradsafe._shared.flops import MatmulFlops
 from gradsafe._shared.live_storage import LiveStorage
 from gradsafe.pipelining.inspection import apply_to_tensors
 from gradsafe.verify import _graph_scan, _isolate
 from gradsafe.verify._hooks import HookCounter, parameter_hooks
-from gradsafe.verify._work import MatmulFlops
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
 
 __all__ = [
@@ -268,7 +268,10 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
-    result.flops = None if flops is None else dict(flops.by_key)
+    # Forwards count under phase None, backward steps under (kind, stage): only those are kept.
+    result.flops = (
+        None if flops is None else {k: v for k, v in flops.counts.items() if isinstance(k, tuple)}
+    )
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
@@ -339,14 +342,14 @@ class _BackwardClock:
         """Adds the time of its block (not when the block raises: the run is then reported crashed)."""
         self._sync()
         if self.flops is not None:
-            self.flops.at = (kind, stage)
+            self.flops.phase = (kind, stage)
         started, started_cpu = time.perf_counter(), self._cpu_clock()
         yield
         self.cpu += self._cpu_clock() - started_cpu  # before the wait: it may spin
         self._sync()
         self.wall += time.perf_counter() - started
         if self.flops is not None:
-            self.flops.at = None
+            self.flops.phase = None
 
 
 def _fresh_copies(

@@ -21,7 +21,7 @@ from gradsafe.pipelining import (  # noqa: E402
     stage_backward_input,
     stage_backward_weight,
 )
-from gradsafe.pipelining._balance import counted_flops  # noqa: E402
+from gradsafe.testing import MatmulFlops  # noqa: E402
 from gradsafe.verify._torchtitan import build_stages  # noqa: E402
 
 
@@ -38,9 +38,9 @@ def _w_shares(policy: CheckpointedWeights) -> list[float]:
     for i in range(1, len(stages) - 1):
         x, out = pairs[i]
         params = list(stages[i].parameters())
-        with checkpointed_weights(policy), counted_flops() as b:
+        with checkpointed_weights(policy), MatmulFlops(forwards=True) as b:
             _, handoff = stage_backward_input(out, torch.ones_like(out), [x], params)
-        with counted_flops() as w:
+        with MatmulFlops(forwards=True) as w:
             stage_backward_weight(params, handoff)
         shares.append(w.total / (b.total - b.in_forward + w.total))
     return shares

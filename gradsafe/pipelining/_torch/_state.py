@@ -2,9 +2,7 @@
 
 Private torch read here: FSDP2's per-module state (``FSDPParam``),
 ``torch.distributed.pipelining._backward``,
-``nn.Module._apply``, ``torch._utils``' device probes, and
-``TorchDispatchMode`` (``torch.utils._python_dispatch``: the balance
-measurement's FLOP counter).
+``nn.Module._apply`` and ``torch._utils``' device probes.
 """
 
 from __future__ import annotations
@@ -18,10 +16,8 @@ from typing import Any
 
 import torch
 import torch._utils
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "TorchDispatchMode",
     "RngStates",
     "apply_to_tensors",
     "device_probes_answer",
