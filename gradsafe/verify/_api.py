@@ -18,6 +18,7 @@ from gradsafe.verify._report import (
     HOOKS,
     REFUSED,
     RIGHT,
+    SINGLE_PROCESS,
     WRONG,
     GradRow,
     HookRow,
@@ -375,11 +376,12 @@ def _report(
             for impl, per in runs.items()
         }
     return VerifyReport(
+        mode=SINGLE_PROCESS,
         torch_version=torch.__version__,
         dtype=str(dtype).removeprefix("torch."),
         stages=stages,
         microbatches=microbatches,
-        orders=orders,
+        checks=orders,
         tolerance=tol,
         gradsafe=verdicts["gradsafe"],
         upstream=verdicts["upstream"],

@@ -1,10 +1,10 @@
-"""What ``gradsafe.verify.verify`` found: a typed, immutable report, a table and a JSON form."""
+"""What ``gradsafe verify`` found, in either mode: a typed, immutable report, a table and a JSON form."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final, Literal
 
 __all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport", "WorkShare"]
 
@@ -60,13 +60,14 @@ class HookRow:
 
 @dataclasses.dataclass(frozen=True)
 class OrderResult:
-    """One implementation in one W order: verdict, what differs, the error message if any."""
+    """One implementation in one check (a W order, or a schedule's rank): verdict, what differs,
+    the error message if any."""
 
     verdict: str
     params: tuple[str, ...] = ()  # parameters / stage inputs whose gradient differs
     hooks: tuple[str, ...] = ()  # hook labels whose call counts differ
     message: str = ""
-    where: str = ""  # the step that raised: "B of stage 0, microbatch 3"
+    where: str = ""  # the step that raised: "B of stage 0, microbatch 3" (single process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,91 +116,151 @@ class WorkShare:
     not_measured: str = ""
 
 
+# The two modes of ``gradsafe verify``: what the checks (``VerifyReport.checks``) are.
+SINGLE_PROCESS: Final = "single-process"  # the stages in one process, in each W order
+SCHEDULE: Final = "schedule"  # torch's real schedule, one step on gloo ranks (``--schedule``)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """The result of :func:`gradsafe.verify.verify`.
+    """What ``gradsafe verify`` found, in either mode: :func:`gradsafe.verify.verify` and
+    ``verify --torchtitan`` (``mode`` ``"single-process"``: the stages in one process, each
+    check a W order) and ``verify --schedule`` (``mode`` ``"schedule"``: one step of torch's
+    real schedule on gloo ranks, each check a rank, ``"rank 0"``, ``"rank 1"``, ...).
 
     ``ok`` is True when gradsafe's split equals the fused backward in every
-    order checked: every parameter and stage-input gradient within the
-    tolerance for ``dtype`` with the same None pattern, and every hook,
-    recomputation and custom-Function backward called as often.
-    ``refused`` holds gradsafe's refusal message when it cannot split this
-    model (then ``ok`` is False). ``upstream`` is torch's own split per order.
+    check: every gradient compared within the tolerance for ``dtype`` with the
+    same None pattern, and (single process) every hook, recomputation and
+    custom-Function backward called as often. ``gradsafe`` and ``upstream``
+    (torch's own split) map each check to its :class:`OrderResult`; ``grads``
+    holds one row per gradient compared (single process: parameters, stage
+    inputs, parameter moves; schedule: each rank's parameters, against the
+    averaged loss's fused gradient). ``refused`` holds gradsafe's refusal
+    message when it cannot split this model (then ``ok`` is False).
+
+    Fields one mode does not measure are None: ``hooks`` and ``hazards`` on a
+    schedule; ``schedule`` and ``ranks`` in one process; ``timing``,
+    ``memory`` and ``work`` unless asked for (single process only).
     """
 
+    mode: Literal["single-process", "schedule"]  # SINGLE_PROCESS or SCHEDULE
     torch_version: str
     dtype: str
     stages: int
     microbatches: int
-    orders: tuple[str, ...]
+    checks: tuple[str, ...]  # the keys of gradsafe and upstream: W orders, or "rank R"
     tolerance: float
     gradsafe: Mapping[str, OrderResult]
     upstream: Mapping[str, OrderResult]
     grads: tuple[GradRow, ...]
-    hooks: tuple[HookRow, ...]
-    hazards: Mapping[str, tuple[str, ...]]
+    hooks: tuple[HookRow, ...] | None
+    hazards: Mapping[str, tuple[str, ...]] | None
     refused: str | None
+    schedule: str | None = None  # torch's Schedule<NAME>
+    ranks: int | None = None
     timing: Mapping[str, Mapping[str, Timing]] | None = None
     memory: Mapping[str, Mapping[str, Memory]] | None = None  # as timing; crashed runs left out
     work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]] | None = None  # as memory, per stage
 
     @property
     def ok(self) -> bool:
+        """gradsafe's split equals fused in every check and refused nothing (exit 0)."""
         return self.refused is None and all(r.verdict == EXACT for r in self.gradsafe.values())
 
     @property
     def refused_only(self) -> bool:
-        """gradsafe refused the model and got nothing wrong where it did not refuse (exit 2)."""
+        """gradsafe refused the model and got nothing wrong where it did not refuse (exit 2).
+
+        On a schedule a refusing rank stops its peers mid-step: their crash is that refusal's.
+        """
+        tolerated = (EXACT, REFUSED, CRASH) if self.mode == SCHEDULE else (EXACT, REFUSED)
         return self.refused is not None and all(
-            r.verdict in (EXACT, REFUSED) for r in self.gradsafe.values()
+            r.verdict in tolerated for r in self.gradsafe.values()
         )
 
     @property
+    def orders(self) -> tuple[str, ...]:
+        """The W orders checked: ``checks`` in one process; none on a schedule (its own order)."""
+        return self.checks if self.mode == SINGLE_PROCESS else ()
+
+    @property
     def unsplit_stages(self) -> tuple[int, ...]:
-        """Stages no run splits: the first of several, whose inputs need no gradient, runs
-        fused as a schedule runs it (verify it as a one-stage list to check its split)."""
-        return (0,) if self.stages > 1 else ()
+        """Stages no run splits: in one process the first of several, whose inputs need no
+        gradient, runs fused as a schedule runs it (verify it as a one-stage list to check its
+        split). A schedule runs every stage its own way: none."""
+        return (0,) if self.mode == SINGLE_PROCESS and self.stages > 1 else ()
+
+    @property
+    def not_seen(self) -> Mapping[str, str] | None:
+        """The hazards this mode cannot see, each with why (one process: H6, H7); None on a
+        schedule, which sees both."""
+        return NOT_SEEN if self.mode == SINGLE_PROCESS else None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict; keys and their meaning are stable across gradsafe versions
-        (format 2 added ``unsplit_stages`` and ``not_seen``)."""
+        (format 3: one format for every mode; docs/verify.md maps the earlier ones to it)."""
         data = dataclasses.asdict(self)
         data["ok"] = self.ok
+        data["refused_only"] = self.refused_only
         data["unsplit_stages"] = list(self.unsplit_stages)
-        data["not_seen"] = {**NOT_SEEN, "how to check": SCHEDULE_HINT}
-        data["format"] = "gradsafe.verify/2"
+        data["not_seen"] = (
+            None if self.not_seen is None else {**self.not_seen, "how to check": SCHEDULE_HINT}
+        )
+        data["format"] = "gradsafe.verify/3"
         return _plain(data)
 
     def __str__(self) -> str:
-        head = (
-            f"gradsafe verify: {self.stages} stage(s), {self.microbatches} microbatch(es), "
-            f"{self.dtype}, torch {self.torch_version}, tolerance {self.tolerance:g} (relative)"
-        )
-        lines = [head, "", *self._verdict_lines()]
+        lines = [self._head(), "", *self._verdict_lines()]
         if self.refused is not None:
             lines += ["", f"gradsafe refuses this model: {self.refused}"]
-        lines += ["", "Hazards found (H1 variants, see docs/hazards.md):"]
-        lines += [
-            f"  {name}: {', '.join(params[:6])}"
-            + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
-            for name, params in self.hazards.items()
-        ] or ["  none"]
-        lines += ["", "Gradients that differ from fused (relative error; worst over orders):"]
+        if self.hazards is not None:
+            lines += ["", *self._hazard_lines()]
+        worst = "; worst over orders" if self.mode == SINGLE_PROCESS else ""
+        lines += ["", f"Gradients that differ from fused (relative error{worst}):"]
         lines += self._gradient_lines()
-        lines += [
-            "",
-            f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted",
-            *self._hook_lines(),
-        ]
+        if self.hooks is not None:
+            lines += [
+                "",
+                f"Hooks, recomputations, custom-Function backwards: {len(self.hooks)} counted",
+                *self._hook_lines(),
+            ]
         if self.timing:
             lines += ["", *_timing_lines(self.timing)]
         if self.memory:
             lines += ["", *_memory_lines(self.memory)]
         if self.work:
             lines += ["", *_work_lines(self.work)]
-        lines += ["", *self._scope_lines()]
-        lines += ["", "OK: gradsafe equals the fused backward." if self.ok else "NOT OK."]
-        return "\n".join(lines)
+        if self.mode == SINGLE_PROCESS:
+            lines += ["", *self._scope_lines()]
+        return "\n".join([*lines, "", self._conclusion()])
+
+    def _head(self) -> str:
+        common = (
+            f"{self.dtype}, torch {self.torch_version}, tolerance {self.tolerance:g} (relative)"
+        )
+        if self.mode == SCHEDULE:
+            return (
+                f"gradsafe verify --schedule {self.schedule}: {self.ranks} gloo ranks, {common}, "
+                "against one process"
+            )
+        return (
+            f"gradsafe verify: {self.stages} stage(s), {self.microbatches} microbatch(es), {common}"
+        )
+
+    def _conclusion(self) -> str:
+        if not self.ok:
+            return "NOT OK."
+        if self.mode == SCHEDULE:
+            return "OK: every rank's gradients equal the reference."
+        return "OK: gradsafe equals the fused backward."
+
+    def _hazard_lines(self) -> list[str]:
+        found = [
+            f"  {name}: {', '.join(params[:6])}"
+            + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
+            for name, params in (self.hazards or {}).items()
+        ]
+        return ["Hazards found (H1 variants, see docs/hazards.md):", *(found or ["  none"])]
 
     def _scope_lines(self) -> list[str]:
         """What this mode did not check: the unsplit first stage, and the hazards of a step."""
@@ -213,18 +274,23 @@ class VerifyReport:
         return [*lines, f"  {SCHEDULE_HINT}."]
 
     def _verdict_lines(self) -> list[str]:
-        """Each order's verdict per implementation, then every distinct error message once."""
+        """Each check's verdict per implementation, then every distinct error message once."""
+        schedule = self.mode == SCHEDULE
         lines = _table(
-            ["W order", "gradsafe", "torch's split"],
+            # On a schedule the gradsafe column is torch's schedule under gradsafe's patch.
+            ["rank", "gradsafe.patch('pipelining')", "torch's split"]
+            if schedule
+            else ["W order", "gradsafe", "torch's split"],
             [
-                [order, _cell(self.gradsafe[order]), _cell(self.upstream[order])]
-                for order in self.orders
+                [check, _cell(self.gradsafe[check]), _cell(self.upstream[check])]
+                for check in self.checks
             ],
         )
+        # One process: the same error in every order once; a schedule: each rank's own.
         messages = {
-            f"{impl}: {r.message}": None
+            f"{impl}{f' {check}' if schedule else ''}: {r.message}": None
             for impl, per in (("gradsafe", self.gradsafe), ("torch's split", self.upstream))
-            for r in per.values()
+            for check, r in per.items()
             if r.message
         }
         return lines + [f"  {' '.join(m.split())[:300]}" for m in messages]
@@ -275,7 +341,7 @@ class VerifyReport:
     def _hook_lines(self) -> list[str]:
         differing = [
             h
-            for h in self.hooks
+            for h in self.hooks or ()
             if any(c is not None and c != h.fused for m in h.calls.values() for c in m.values())
         ]
         if not differing:
@@ -344,8 +410,8 @@ def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list
 
 
 def _cell(result: OrderResult) -> str:
-    """One order's verdict of one implementation, as the table shows it."""
-    if result.verdict in (CRASH, REFUSED):
+    """One check's verdict of one implementation, as the table shows it."""
+    if result.verdict in (CRASH, REFUSED) and result.where:
         return f"{result.verdict} in {result.where}"
     parts = [result.verdict]
     if result.params:

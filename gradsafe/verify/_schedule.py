@@ -9,14 +9,13 @@ rank share parameters (as they do across ranks' memories).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,19 @@ import torch
 
 from gradsafe.verify import _isolate, _run
 from gradsafe.verify._factory import load_factory
+from gradsafe.verify._report import (
+    CRASH,
+    EXACT,
+    REFUSED,
+    RIGHT,
+    SCHEDULE,
+    WRONG,
+    GradRow,
+    OrderResult,
+    VerifyReport,
+)
 
-__all__ = ["SCHEDULES", "ScheduleReport", "placement", "verify_schedule"]
+__all__ = ["SCHEDULES", "placement", "verify_schedule"]
 
 # Which stages each rank holds: V shape (rank r: r and 2R-1-r) or a loop (r, r+R).
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -41,101 +51,7 @@ def placement(schedule: str, ranks: int) -> dict[int, list[int]]:
 _TIMEOUT_S = 300
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 _MODES = ("gradsafe", "upstream")
-_REFUSAL = "SplitBackwardError"
-
-
-@dataclasses.dataclass(frozen=True)
-class RankResult:
-    """One rank in one mode: ``right``, ``WRONG`` (with the parameters), or ``crash`` (message)."""
-
-    verdict: str
-    params: tuple[str, ...] = ()
-    message: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleReport:
-    """Per rank, gradsafe's and torch's schedule step against the single-process reference."""
-
-    schedule: str
-    ranks: int
-    dtype: str
-    torch_version: str
-    tolerance: float
-    results: Mapping[str, Mapping[int, RankResult]]  # mode -> rank -> result
-    errors: Mapping[str, Mapping[str, float | str | None]]  # parameter -> mode -> relative error
-
-    @property
-    def refused(self) -> str | None:
-        for result in self.results["gradsafe"].values():
-            if result.message.startswith(_REFUSAL):
-                return result.message
-        return None
-
-    @property
-    def ok(self) -> bool:
-        return all(r.verdict == "right" for r in self.results["gradsafe"].values())
-
-    @property
-    def refused_only(self) -> bool:
-        """gradsafe refused the model on some rank (exit 2)."""
-        return self.refused is not None
-
-    def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["results"] = {
-            m: {str(r): dataclasses.asdict(v) for r, v in per.items()}
-            for m, per in self.results.items()
-        }
-        data["ok"] = self.ok
-        data["refused"] = self.refused
-        data["format"] = "gradsafe.verify-schedule/2"  # 2: the step scales (scale_grads=True)
-        return data
-
-    def __str__(self) -> str:
-        lines = [
-            (
-                f"gradsafe verify --schedule {self.schedule}: {self.ranks} gloo ranks, {self.dtype}, "
-                f"torch {self.torch_version}, tolerance {self.tolerance:g} (relative), against one process"
-            ),
-            "",
-            "  rank  gradsafe.patch('pipelining')  torch's split",
-        ]
-        for rank in range(self.ranks):
-            cells = [_cell(self.results[m][rank]) for m in _MODES]
-            lines.append(f"  {rank:<4}  {cells[0]:<28}  {cells[1]}")
-        messages = {
-            f"{m} rank {r}: {v.message}": None
-            for m in _MODES
-            for r, v in self.results[m].items()
-            if v.message
-        }
-        lines += [f"  {' '.join(msg.split())[:300]}" for msg in messages]
-        wrong = {
-            n: e for n, e in self.errors.items() if any(_bad(v, self.tolerance) for v in e.values())
-        }
-        if wrong:
-            lines += ["", "  gradient" + " " * 30 + "gradsafe      torch's split"]
-            lines += [
-                f"  {n:<38}  {_fmt(e.get('gradsafe')):<12}  {_fmt(e.get('upstream'))}"
-                for n, e in wrong.items()
-            ]
-        lines += ["", "OK: every rank's gradients equal the reference." if self.ok else "NOT OK."]
-        return "\n".join(lines)
-
-
-def _bad(value: float | str | None, tol: float) -> bool:
-    return isinstance(value, str) or (isinstance(value, float) and not value <= tol)
-
-
-def _fmt(value: float | str | None) -> str:
-    return "-" if value is None else value if isinstance(value, str) else f"{value:.2g}"
-
-
-def _cell(result: RankResult) -> str:
-    if result.verdict == "WRONG":
-        return "WRONG " + ", ".join(result.params[:3]) + (" ..." if len(result.params) > 3 else "")
-    return result.verdict
+_REFUSAL = "SplitBackwardError: "
 
 
 def _free_port() -> int:
@@ -158,14 +74,15 @@ def verify_schedule(
     ranks: int,
     dtype: torch.dtype = torch.float64,
     progress: Callable[[str], None] | None = None,
-) -> ScheduleReport:
+) -> VerifyReport:
     """Run ``spec``'s stages through torch's ``Schedule{schedule}`` on ``ranks`` gloo processes.
 
     ``spec`` is ``PACKAGE.MODULE:FACTORY`` (the workers build the stages with it
     and load the parent's initial state). The factory must return ``2 * ranks``
     stages and microbatches of equal batch size (the schedule re-splits their
     concatenation along dim 0). Dropout draws other numbers in a schedule than
-    in one process: use a model without it (or eval mode) here.
+    in one process: use a model without it (or eval mode) here. The report's
+    mode is ``"schedule"``, one check per rank.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
@@ -174,9 +91,7 @@ def verify_schedule(
     say("verify --schedule: single-process reference ...")
     with _isolate.python_rng_kept():
         reference = _reference(spec, stages, placement(schedule, ranks), batches, loss, dtype)
-    results: dict[str, dict[int, RankResult]] = {}
-    errors: dict[str, dict[str, float | str | None]] = {}
-    tol = _TOLERANCE[dtype]
+    outs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as workdir:
         torch.save(
             {"states": [m.state_dict() for m in stages], "microbatches": batches},
@@ -184,13 +99,82 @@ def verify_schedule(
         )
         for mode in _MODES:
             say(f"verify --schedule: {schedule} on {ranks} gloo ranks, {mode} ...")
-            outs = _launch(mode, spec, schedule, ranks, dtype, workdir)
-            results[mode] = {}
-            for rank, out in enumerate(outs):
-                results[mode][rank] = _rank_result(out, reference, tol, errors, mode)
-    return ScheduleReport(
-        schedule, ranks, str(dtype).removeprefix("torch."), torch.__version__, tol, results, errors
+            outs[mode] = _launch(mode, spec, schedule, ranks, dtype, workdir)
+    return _report(reference, outs, schedule, ranks, dtype, len(batches))
+
+
+def _report(
+    reference: _run.RunResult,
+    outs: dict[str, list[dict[str, Any]]],
+    schedule: str,
+    ranks: int,
+    dtype: torch.dtype,
+    microbatches: int,
+) -> VerifyReport:
+    """Each rank's gradients, per implementation, against the reference: one check per rank."""
+    tol = _TOLERANCE[dtype]
+    where = placement(schedule, ranks)
+    # A rank reports its stages' parameters ("STAGE.NAME"); a loss's own parameters stay unchecked.
+    names = {
+        r: [n for n in reference.params if n.split(".")[0] in {str(i) for i in where[r]}]
+        for r in range(ranks)
+    }
+    errors: dict[str, dict[str, dict[str, float | str | None]]] = {}
+    oks: dict[str, dict[str, dict[str, bool | None]]] = {}
+    results: dict[str, dict[str, OrderResult]] = {}
+    for mode, per_rank in outs.items():
+        results[mode] = {}
+        for r, out in enumerate(per_rank):
+            check = f"rank {r}"
+            for name in names[r]:
+                err, ok = (
+                    (None, None)
+                    if "crash" in out
+                    else _run.compare(reference.params[name], out["grads"].get(name), tol)
+                )
+                errors.setdefault(name, {}).setdefault(mode, {})[check] = err
+                oks.setdefault(name, {}).setdefault(mode, {})[check] = ok
+            wrong = tuple(n for n in names[r] if oks[n][mode][check] is False)
+            results[mode][check] = _rank_result(mode, out, wrong)
+    refusals = [r.message for r in results["gradsafe"].values() if r.verdict == REFUSED]
+    return VerifyReport(
+        mode=SCHEDULE,
+        torch_version=torch.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        stages=2 * ranks,
+        microbatches=microbatches,
+        checks=tuple(f"rank {r}" for r in range(ranks)),
+        tolerance=tol,
+        gradsafe=results["gradsafe"],
+        upstream=results["upstream"],
+        grads=tuple(
+            GradRow(n, reference.shapes[n], _max_abs(reference.params[n]), errors[n], oks[n])
+            for n in errors
+        ),
+        hooks=None,
+        hazards=None,
+        refused=refusals[0].removeprefix(_REFUSAL) if refusals else None,
+        schedule=schedule,
+        ranks=ranks,
     )
+
+
+def _rank_result(mode: str, out: dict[str, Any], wrong: tuple[str, ...]) -> OrderResult:
+    """One rank's verdict: crashed (gradsafe's refusal apart), wrong on ``wrong``, or equal."""
+    if "crash" in out:
+        message = str(out["crash"])
+        refused = mode == "gradsafe" and message.startswith(_REFUSAL)
+        return OrderResult(REFUSED if refused else CRASH, message=message)
+    if wrong:
+        return OrderResult(WRONG, wrong)
+    return OrderResult(EXACT if mode == "gradsafe" else RIGHT)
+
+
+def _max_abs(grad: torch.Tensor | None) -> float | None:
+    """``GradRow.fused_max`` of one reference gradient (a sparse one made dense)."""
+    if grad is None:
+        return None
+    return float(grad.to_dense().abs().max()) if grad.numel() else 0.0
 
 
 def _stages_and_microbatches(
@@ -249,25 +233,6 @@ def _reference(
         for name, grad in reference.params.items()
     }
     return reference
-
-
-def _rank_result(
-    out: dict[str, Any],
-    reference: _run.RunResult,
-    tol: float,
-    errors: dict[str, dict[str, float | str | None]],
-    mode: str,
-) -> RankResult:
-    """One rank's gradients against the reference; each one's error recorded for ``mode``."""
-    if "crash" in out:
-        return RankResult("crash", message=str(out["crash"]))
-    wrong = []
-    for name, got in out["grads"].items():
-        err, ok = _run.compare(reference.params.get(name), got, tol)
-        errors.setdefault(name, {})[mode] = err
-        if not ok:
-            wrong.append(name)
-    return RankResult("WRONG" if wrong else "right", tuple(wrong))
 
 
 def _refuse_consumed_gradients(reference: _run.RunResult) -> None:

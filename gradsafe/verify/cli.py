@@ -8,7 +8,10 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradsafe.verify import VerifyReport
 
 __all__ = ["add_parser", "run"]
 
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     try:
         if args.schedule and args.torchtitan is None:
-            report: Any = _schedule_report(args)
+            report = _schedule_report(args)
         else:
             report = _report(args)
     except Exception as exc:  # the user's factory or model: report, exit 2
@@ -128,7 +131,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _report(args: argparse.Namespace) -> Any:
+def _report(args: argparse.Namespace) -> VerifyReport:
     import torch
 
     from gradsafe.verify import verify
@@ -153,7 +156,7 @@ def _report(args: argparse.Namespace) -> Any:
     )
 
 
-def _schedule_report(args: argparse.Namespace) -> Any:
+def _schedule_report(args: argparse.Namespace) -> VerifyReport:
     import torch
 
     from gradsafe.verify._schedule import verify_schedule

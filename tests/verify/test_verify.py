@@ -17,7 +17,7 @@ from gradsafe.pipelining._hazards import (
     compare_with_fused,
 )
 from gradsafe.testing import assert_split_exact
-from gradsafe.verify import _api, verify
+from gradsafe.verify import VerifyReport, _api, verify
 from gradsafe.verify._run import Split
 
 
@@ -220,10 +220,24 @@ def test_json_is_stable_and_serialisable() -> None:
     torch.manual_seed(0)
     data = verify(ParamOnlyOutput(), _batches(2), orders=("w-reversed",)).to_json()
     json.dumps(data)
-    assert data["format"] == "gradsafe.verify/2"
-    assert data["ok"] is True and data["orders"] == ["w-reversed"]
+    assert data["format"] == "gradsafe.verify/3"
+    assert data["ok"] is True and data["checks"] == ["w-reversed"]
     assert set(data) >= {"gradsafe", "upstream", "grads", "hooks", "hazards", "refused", "dtype"}
     assert data["hazards"]["H1 parameter-only output"] == ["prefix"]
+
+
+def test_the_single_process_report_fills_its_mode_fields_and_leaves_the_schedules_empty() -> None:
+    torch.manual_seed(0)
+    report = verify(ParamOnlyOutput(), _batches(2), orders=("w-reversed", "w-after-b"))
+    assert isinstance(report, VerifyReport) and report.mode == "single-process"
+    assert report.checks == report.orders == ("w-reversed", "w-after-b")
+    assert list(report.gradsafe) == list(report.upstream) == ["w-reversed", "w-after-b"]
+    data = report.to_json()
+    assert data["mode"] == "single-process" and data["refused_only"] is False
+    assert data["schedule"] is None and data["ranks"] is None
+    assert isinstance(data["hooks"], list) and isinstance(data["hazards"], dict)
+    assert set(data["not_seen"]) == {"H6", "H7", "how to check"}
+    assert data["timing"] is None and data["memory"] is None and data["work"] is None
 
 
 def test_lower_precision_uses_its_own_tolerance() -> None:

@@ -41,7 +41,7 @@ def test_json_and_orders_and_a_loss_from_the_factory(capsys: pytest.CaptureFixtu
         ]
     )
     data = json.loads(capsys.readouterr().out)
-    assert code == 0 and data["ok"] and data["orders"] == ["w-lag-3"] and data["dtype"] == "float32"
+    assert code == 0 and data["ok"] and data["checks"] == ["w-lag-3"] and data["dtype"] == "float32"
 
 
 def test_a_split_that_drops_a_gradient_exits_1(

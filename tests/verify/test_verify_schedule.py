@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from _factories import four_prefix_stages
 from _ranks import worker_env
 
-from gradsafe.verify import verify
-from gradsafe.verify._schedule import ScheduleReport, verify_schedule
+from gradsafe.verify import VerifyReport, _schedule, verify
+from gradsafe.verify._run import RunResult
+from gradsafe.verify._schedule import verify_schedule
 
 HERE = Path(__file__).parent
 SPEC = "_factories:four_prefix_stages"
 
 
-def _skip_if_gloo_cannot_run_v_shapes(results: dict[str, dict[str, dict[str, str]]]) -> None:
-    for per in results.values():
+def _skip_if_gloo_cannot_run_v_shapes(data: dict[str, Any]) -> None:
+    for per in (data["gradsafe"], data["upstream"]):
         for result in per.values():
             if "Pair is not connected" in result["message"]:
                 pytest.skip(
@@ -33,11 +37,13 @@ def _single_process_wrong() -> set[str]:
     return {p for r in report.upstream.values() for p in r.params}
 
 
-def _check_agrees(data: dict, wrong_in_one_process: set[str]) -> None:  # type: ignore[type-arg]
-    _skip_if_gloo_cannot_run_v_shapes(data["results"])
+def _check_agrees(data: dict[str, Any], wrong_in_one_process: set[str]) -> None:
+    _skip_if_gloo_cannot_run_v_shapes(data)
     assert data["ok"], data
-    assert {r["verdict"] for r in data["results"]["gradsafe"].values()} == {"right"}
-    wrong_on_ranks = {p for r in data["results"]["upstream"].values() for p in r["params"]}
+    assert data["format"] == "gradsafe.verify/3" and data["mode"] == "schedule"
+    assert data["checks"] == ["rank 0", "rank 1"] and data["ranks"] == 2
+    assert {r["verdict"] for r in data["gradsafe"].values()} == {"exact"}
+    wrong_on_ranks = {p for r in data["upstream"].values() for p in r["params"]}
     assert wrong_in_one_process == {"1.prefix", "2.prefix"}
     assert wrong_on_ranks == wrong_in_one_process
 
@@ -76,7 +82,7 @@ def test_dualpipev_on_two_gloo_ranks_agrees_with_one_process(
 ) -> None:
     monkeypatch.chdir(HERE)
     report = verify_schedule(SPEC, "DualPipeV", 2)
-    assert isinstance(report, ScheduleReport)
+    assert isinstance(report, VerifyReport) and report.schedule == "DualPipeV"
     _check_agrees(report.to_json(), _single_process_wrong())
     assert "rank" in str(report) and "OK" in str(report)
 
@@ -94,9 +100,9 @@ def test_schedule_reference_runs_the_hooks_the_factory_puts_on_parameters(
     monkeypatch.chdir(HERE)
     # A deep copy drops parameter hooks: the reference must be built as the ranks build it.
     report = verify_schedule("_factories:doubled_by_hooks", "ZBVZeroBubble", 2)
-    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json())
     assert report.ok, str(report)
-    assert {r.verdict for r in report.results["upstream"].values()} == {"right"}, str(report)
+    assert {r.verdict for r in report.upstream.values()} == {"right"}, str(report)
 
 
 def test_a_gradsafe_rank_refuses_when_the_pipelining_patch_does_not_apply(
@@ -126,11 +132,11 @@ def test_schedule_reports_torchs_split_wrong_on_a_tied_v_and_gradsafes_right(
     # (scale_grads=True, as users run it) divides the shared table once per stage.
     monkeypatch.chdir(HERE)
     report = verify_schedule("_factories:tied_v", "ZBVZeroBubble", 2)
-    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json())
     assert report.ok, str(report)
-    assert report.results["upstream"][0].verdict == "WRONG", str(report)
-    assert set(report.results["upstream"][0].params) == {"0.table", "3.table"}
-    assert report.results["upstream"][1].verdict == "right", str(report)
+    assert report.upstream["rank 0"].verdict == "WRONG", str(report)
+    assert set(report.upstream["rank 0"].params) == {"0.table", "3.table"}
+    assert report.upstream["rank 1"].verdict == "right", str(report)
 
 
 @pytest.mark.distributed
@@ -141,6 +147,73 @@ def test_schedule_reports_torchs_first_step_wrong_on_a_loss_that_runs_a_backward
     # on garbage, which lands in the head's gradient under torch; not under gradsafe.
     monkeypatch.chdir(HERE)
     report = verify_schedule("_factories:backward_in_loss", "ZBVZeroBubble", 2)
-    _skip_if_gloo_cannot_run_v_shapes(report.to_json()["results"])
+    _skip_if_gloo_cannot_run_v_shapes(report.to_json())
     assert report.ok, str(report)
-    assert report.results["upstream"][0].params == ("3.head.weight",), str(report)
+    assert report.upstream["rank 0"].params == ("3.head.weight",), str(report)
+
+
+def _rank_outputs(**grads: float) -> dict[str, Any]:
+    return {"grads": {name: torch.full((2,), value) for name, value in grads.items()}}
+
+
+def _schedule_report(gradsafe_outs: list[dict[str, Any]]) -> VerifyReport:
+    """A ZBV report on 2 ranks from made-up rank outputs (no gloo): stage s holds ``s.w``."""
+    reference = RunResult(
+        params={f"{s}.w": torch.ones(2) for s in range(4)} | {"loss.t": torch.ones(1)},
+        shapes={f"{s}.w": (2,) for s in range(4)} | {"loss.t": (1,)},
+        inputs={},
+        counts=collections.Counter(),
+    )
+    right = [_rank_outputs(**{"0.w": 1, "3.w": 1}), _rank_outputs(**{"1.w": 1, "2.w": 1})]
+    upstream = [_rank_outputs(**{"0.w": 0.5, "3.w": 1}), right[1]]
+    outs = {"gradsafe": gradsafe_outs, "upstream": upstream}
+    return _schedule._report(reference, outs, "ZBVZeroBubble", 2, torch.float64, 4)
+
+
+def test_the_schedule_report_is_the_one_report_keyed_by_rank_with_its_own_fields() -> None:
+    report = _schedule_report(
+        [_rank_outputs(**{"0.w": 1, "3.w": 1}), _rank_outputs(**{"1.w": 1, "2.w": 1})]
+    )
+    assert isinstance(report, VerifyReport) and report.ok and not report.refused_only
+    assert report.mode == "schedule" and report.checks == ("rank 0", "rank 1")
+    assert report.orders == () and report.unsplit_stages == () and report.not_seen is None
+    assert report.upstream["rank 0"].verdict == "WRONG" and report.upstream["rank 0"].params == (
+        "0.w",
+    )
+    # Each rank's parameters are rows of the same GradRow type (a loss's own are not sent back).
+    rows = {r.name: r for r in report.grads}
+    assert set(rows) == {"0.w", "1.w", "2.w", "3.w"}
+    assert rows["0.w"].errors == {"gradsafe": {"rank 0": 0.0}, "upstream": {"rank 0": 0.5}}
+    assert rows["0.w"].fused_max == 1.0 and rows["0.w"].shape == (2,)
+    data = report.to_json()
+    assert data["format"] == "gradsafe.verify/3" and data["schedule"] == "ZBVZeroBubble"
+    assert data["ranks"] == 2 and data["stages"] == 4 and data["microbatches"] == 4
+    assert data["hooks"] is None and data["hazards"] is None and data["not_seen"] is None
+    assert data["gradsafe"]["rank 1"]["verdict"] == "exact"
+    text = str(report)
+    assert text.startswith("gradsafe verify --schedule ZBVZeroBubble: 2 gloo ranks, float64")
+    assert "WRONG 0.w" in text and "Hooks" not in text and "Not seen in one process" not in text
+    assert text.endswith("OK: every rank's gradients equal the reference.")
+
+
+def test_a_refusal_on_one_rank_is_the_reports_refusal_and_its_peers_crash_is_exit_2() -> None:
+    refusal = (
+        "SplitBackwardError: a reentrant checkpoint on the input side; use use_reentrant=False"
+    )
+    report = _schedule_report([{"crash": refusal}, {"crash": "RuntimeError: Connection closed"}])
+    assert report.gradsafe["rank 0"].verdict == "refused"
+    assert report.gradsafe["rank 1"].verdict == "crash"
+    assert report.refused == refusal.removeprefix("SplitBackwardError: ")
+    assert not report.ok and report.refused_only  # the command line's exit 2
+    assert "gradsafe refuses this model: a reentrant checkpoint" in str(report)
+
+
+def test_a_wrong_rank_is_not_ok_and_not_a_refusal() -> None:
+    report = _schedule_report(
+        [_rank_outputs(**{"0.w": 1, "3.w": 2}), _rank_outputs(**{"1.w": 1, "2.w": 1})]
+    )
+    assert report.gradsafe["rank 0"].verdict == "WRONG" and report.gradsafe["rank 0"].params == (
+        "3.w",
+    )
+    assert not report.ok and not report.refused_only  # the command line's exit 1
+    assert str(report).endswith("NOT OK.")
