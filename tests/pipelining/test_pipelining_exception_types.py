@@ -14,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from torch import nn
+from _w_failures import HookError, linear_stage
+from _w_failures import notes as notes_of
 
 from gradsafe.pipelining import (
     HandoffState,
@@ -23,17 +24,6 @@ from gradsafe.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-
-
-class _HookError(Exception):
-    pass
-
-
-def _stage() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    x = torch.randn(3, 4, requires_grad=True)
-    return model, x, torch.randn(3, 4)
 
 
 def _failing_from_call(monkeypatch: pytest.MonkeyPatch, exc: BaseException, call: int) -> None:
@@ -50,15 +40,11 @@ def _failing_from_call(monkeypatch: pytest.MonkeyPatch, exc: BaseException, call
     monkeypatch.setattr(_weight_pass, "call_node", failing)
 
 
-def _notes(exc: BaseException) -> str:
-    return " ".join(getattr(exc, "__notes__", []))
-
-
 @pytest.mark.parametrize("call", [1, 2], ids=["first call", "second call"])
 def test_an_out_of_memory_error_inside_w_stays_an_out_of_memory_error(
     monkeypatch: pytest.MonkeyPatch, call: int
 ) -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     _failing_from_call(monkeypatch, oom, call)
@@ -67,7 +53,7 @@ def test_an_out_of_memory_error_inside_w_stays_an_out_of_memory_error(
     assert info.value is oom
     assert handoff.state is HandoffState.FAILED
     if sys.version_info >= (3, 11):  # exception notes
-        notes = _notes(info.value)
+        notes = notes_of(info.value)
         assert "gradsafe: raised while W computed the weight gradients of" in notes, notes
         assert "limit of gradsafe" not in notes
         if call == 1:
@@ -80,7 +66,7 @@ def test_an_out_of_memory_error_inside_w_stays_an_out_of_memory_error(
 def test_a_specific_exception_from_a_node_w_calls_keeps_its_type(
     monkeypatch: pytest.MonkeyPatch, exc: BaseException
 ) -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
     _failing_from_call(monkeypatch, exc, 1)
     with pytest.raises(type(exc)) as info:
@@ -90,9 +76,9 @@ def test_a_specific_exception_from_a_node_w_calls_keeps_its_type(
     assert handoff.state is HandoffState.FAILED
 
 
-@pytest.mark.parametrize("exc", [_HookError("from a hook"), KeyboardInterrupt()], ids=type)
+@pytest.mark.parametrize("exc", [HookError("from a hook"), KeyboardInterrupt()], ids=type)
 def test_a_hook_raising_inside_w_keeps_its_type(exc: BaseException) -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
 
     def hook(grad: torch.Tensor) -> None:
         raise exc
@@ -108,7 +94,7 @@ def test_a_hook_raising_inside_w_keeps_its_type(exc: BaseException) -> None:
 def test_a_plain_runtime_error_from_a_node_is_still_worded_by_gradsafe(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
     _failing_from_call(monkeypatch, RuntimeError("cannot be called directly"), 1)
     with pytest.raises(SplitBackwardError, match="limit of gradsafe"):

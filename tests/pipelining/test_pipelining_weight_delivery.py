@@ -14,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from torch import nn
+from _w_failures import HookError, linear_stage
+from _w_failures import notes as notes_of
 
 from gradsafe.pipelining import (
     HandoffState,
@@ -25,19 +26,8 @@ from gradsafe.pipelining import (
 )
 
 
-class _HookError(Exception):
-    pass
-
-
-def _stage() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    x = torch.randn(3, 4, requires_grad=True)
-    return model, x, torch.randn(3, 4)
-
-
 def test_a_hook_raising_part_way_leaves_earlier_parameters_delivered() -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     held = [torch.randn_like(p) for p in model.parameters()]
     model(x).backward(g)  # the fused gradients, for comparison
     fused = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
@@ -45,11 +35,11 @@ def test_a_hook_raising_part_way_leaves_earlier_parameters_delivered() -> None:
         p.grad = h.clone()
 
     def bad(grad: torch.Tensor) -> None:
-        raise _HookError("from a user hook")
+        raise HookError("from a user hook")
 
     model[2].weight.register_hook(bad)  # the middle layer: W delivers the last layer first
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
-    with pytest.raises(_HookError) as info:
+    with pytest.raises(HookError) as info:
         stage_backward_weight(model.parameters(), handoff)
     if sys.version_info >= (3, 11):  # exception notes
         notes = " ".join(getattr(info.value, "__notes__", []))
@@ -69,7 +59,7 @@ def test_a_hook_raising_part_way_leaves_earlier_parameters_delivered() -> None:
 
 
 def test_misuse_is_refused_before_any_gradient_changes() -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
     with pytest.raises(SplitBackwardError, match="lack 2 of the 6 parameters"):
         stage_backward_weight(list(model.parameters())[:4], handoff)
@@ -80,7 +70,7 @@ def test_misuse_is_refused_before_any_gradient_changes() -> None:
 def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
 
     def refuse(node: object, grads: object) -> None:
@@ -96,10 +86,6 @@ def test_a_node_gradsafe_cannot_call_is_worded_as_gradsafes_limit(
     assert all(p.grad is None for p in model.parameters())
 
 
-def _notes(exc: BaseException) -> str:
-    return " ".join(getattr(exc, "__notes__", []))
-
-
 @pytest.mark.parametrize("held", [False, True], ids=["grad None", "grad held"])
 def test_a_post_accumulate_hook_raising_leaves_each_gradient_whole_or_untouched(
     held: bool,
@@ -110,7 +96,7 @@ def test_a_post_accumulate_hook_raising_leaves_each_gradient_whole_or_untouched(
     it lies within the counts the exception's note gives; the hand-off is FAILED and a retry
     refused. With ``.grad`` None every gradient is delivered in W's last engine backward, so
     the note counts them all as under way."""
-    model, x, g = _stage()
+    model, x, g = linear_stage()
     start = [torch.randn_like(p) if held else None for p in model.parameters()]
     model(x).backward(g)
     fused = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
@@ -118,9 +104,9 @@ def test_a_post_accumulate_hook_raising_leaves_each_gradient_whole_or_untouched(
     for p, s in zip(model.parameters(), start):
         p.grad = None if s is None else s.clone()
     raising = model[2].weight
-    raising.register_post_accumulate_grad_hook(lambda p: (_ for _ in ()).throw(_HookError()))
+    raising.register_post_accumulate_grad_hook(lambda p: (_ for _ in ()).throw(HookError()))
     _, handoff = stage_backward_input([model(x)], [g], [x], model.parameters())
-    with pytest.raises(_HookError) as info:
+    with pytest.raises(HookError) as info:
         stage_backward_weight(model.parameters(), handoff)
     assert handoff.state is HandoffState.FAILED
     whole = 0
@@ -133,9 +119,10 @@ def test_a_post_accumulate_hook_raising_leaves_each_gradient_whole_or_untouched(
     assert raising.grad is not None
     if sys.version_info >= (3, 11):  # exception notes
         found = re.search(
-            r"delivered (\d+) of the 6 .*?(?:(\d+) more were being delivered|$)", _notes(info.value)
+            r"delivered (\d+) of the 6 .*?(?:(\d+) more were being delivered|$)",
+            notes_of(info.value),
         )
-        assert found, _notes(info.value)
+        assert found, notes_of(info.value)
         delivered, under_way = int(found[1]), int(found[2] or 0)
         assert delivered <= whole <= delivered + under_way, (delivered, under_way, whole)
         if not held:
