@@ -48,6 +48,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gradsafe.pipelining._graph import WeightEdge
 from gradsafe.pipelining._torch import (
+    ACCUMULATOR_READS,
     MultiGradHook,
     apply_function,
     call_node,
@@ -558,8 +559,7 @@ def deliver_as_ready(
                 to_leaves.append(sums.pop((leaf, 0), None))
                 leaves_now.append(leaf)
         progress.under_way = len(leaves_now)
-        # From the helper node's creation (it reads the leaves' accumulators)
-        # to the engine's end: see `delivering`.
+        # From the helper node's creation to the engine's end: see `delivering`.
         with delivering([leaf_of[n] for n in leaves_now]):
             # Every leaf gets its accumulator run, with None if nothing arrived: a
             # fused backward runs it too, and its hooks fire.
@@ -577,7 +577,7 @@ def deliver_as_ready(
                 # Through a helper node: the engine's root keeps its gradients
                 # referenced, which would keep AccumulateGrad from adopting one as
                 # `.grad` (a copy, and a second gradient's worth of memory).
-                with torch.enable_grad():
+                with torch.enable_grad(), ACCUMULATOR_READS:
                     roots.append(
                         apply_function(
                             _Deliver, anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now)

@@ -649,3 +649,126 @@ def test_two_threads_capturing_a_tied_weight_at_once_leave_its_hooks_in_place() 
     for i in range(2):
         stage_backward_weight(params[i], handoffs[i])
     torch.testing.assert_close(tied.grad, want, rtol=0, atol=1e-12)
+
+
+def test_b_run_from_a_tensor_hook_of_the_weight_w_delivers_captures_it_and_w_goes_on() -> None:
+    """:func:`b_inside_ws_hook_of_the_same_weight`, in a process of its own (it crashed the
+    process: B's stand-in freed the hook object the engine was running)."""
+    _in_a_process_of_its_own("b_inside_ws_hook_of_the_same_weight")
+
+
+def _checkpointed_b(tied: torch.Tensor, lin: nn.Module) -> Callable[[], Any]:
+    """A checkpointed stage's forward now; its B (``IN_B``: it captures ``tied``'s gradient) later."""
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = checkpoint(lambda t: torch.tanh(t @ tied), lin(x), use_reentrant=False)
+    g = torch.ones(3, 4, dtype=torch.float64)
+
+    def b() -> Any:
+        with checkpointed_weights(CheckpointedWeights.IN_B):
+            return stage_backward_input([out], [g], [x], [tied, *lin.parameters()])[1]
+
+    return b
+
+
+def _plain_handoff(tied: torch.Tensor, lin: nn.Module) -> Any:
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = lin(torch.tanh(x @ tied))
+    g = torch.ones(3, 4, dtype=torch.float64)
+    return stage_backward_input([out], [g], [x], [tied, *lin.parameters()])[1]
+
+
+def b_inside_ws_hook_of_the_same_weight(n: int = 400) -> None:
+    """W delivers a tied weight; its tensor hook (x2) runs B of another stage, which captures
+    the same weight. The hooks run once each, in order, in W only; W's gradient and B's kept
+    one equal the same calls made one after the other."""
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    lin0, lin1 = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    for _ in range(n):
+        _b_inside_ws_hook_once(tied, lin0, lin1)
+
+
+def _b_inside_ws_hook_once(tied: nn.Parameter, lin0: nn.Module, lin1: nn.Module) -> None:
+    state = torch.get_rng_state()
+    pending = [_checkpointed_b(tied, lin0)]
+    handoff = _plain_handoff(tied, lin1)
+    calls: list[int] = []
+    kept: list[Any] = []
+
+    def first(g: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if pending:
+            kept.append(pending.pop()())
+        return g * 2
+
+    handles = [tied.register_hook(first), tied.register_hook(lambda g: (calls.append(2), g)[1])]
+    stage_backward_weight([tied, *lin1.parameters()], handoff)
+    assert calls == [1, 2], calls
+    inside = tied.grad.clone()  # type: ignore[union-attr]
+    tied.grad = None
+    stage_backward_weight([tied, *lin0.parameters()], kept[0])
+    later = tied.grad.clone()  # type: ignore[union-attr]
+    # The same calls, one after the other.
+    torch.set_rng_state(state)
+    b = _checkpointed_b(tied, lin0)
+    handoff = _plain_handoff(tied, lin1)
+    tied.grad = None
+    stage_backward_weight([tied, *lin1.parameters()], handoff)
+    assert torch.equal(tied.grad, inside)  # type: ignore[arg-type]
+    tied.grad = None
+    stage_backward_weight([tied, *lin0.parameters()], b())
+    assert torch.equal(tied.grad, later)  # type: ignore[arg-type]
+    for h in handles:
+        h.remove()
+    tied.grad = None
+
+
+def test_ws_on_two_threads_whose_hooks_run_b_over_each_others_weight_both_finish() -> None:
+    """:func:`crossed_hooks_running_b`, in a process of its own (B waited for the other
+    thread's delivery, each thread for the other: a deadlock)."""
+    _in_a_process_of_its_own("crossed_hooks_running_b")
+
+
+def crossed_hooks_running_b() -> None:
+    """Thread 1's W delivers X, whose hook runs B capturing Y; thread 2's W delivers Y, whose
+    hook runs B capturing X; a barrier makes both hooks run at once."""
+    import threading
+
+    torch.manual_seed(0)
+    xw, yw = (nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(2))
+    lin = nn.Linear(4, 4).double()
+    barrier = threading.Barrier(2, timeout=30)
+    kept: list[Any] = []
+
+    def running_b(other: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        b = _checkpointed_b(other, lin)
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            barrier.wait()
+            kept.append(b())
+            return g
+
+        return hook
+
+    xw.register_hook(running_b(yw))
+    yw.register_hook(running_b(xw))
+    stages = [(p, nn.Linear(4, 4).double()) for p in (xw, yw)]
+    handoffs = [_plain_handoff(p, lin_) for p, lin_ in stages]
+    errors: list[BaseException] = []
+
+    def w(k: int) -> None:
+        p, lin_ = stages[k]
+        try:
+            stage_backward_weight([p, *lin_.parameters()], handoffs[k])
+        except BaseException as exc:  # reported on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=w, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a W never finished"
+    assert not errors, errors
+    assert len(kept) == 2 and all(h.num_kept > 0 for h in kept)
+    assert xw.grad is not None and yw.grad is not None

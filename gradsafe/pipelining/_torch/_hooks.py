@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradsafe.pipelining._torch._engine import on_device_thread
 
 __all__ = [
+    "ACCUMULATOR_READS",
     "MultiGradHook",
     "delivering",
     "fired_once_across",
@@ -63,9 +64,13 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
     Threads whose captures overlap on a leaf share its stand-in; the last to
     leave puts the leaf's own dict back.
 
-    Installing or removing a stand-in replaces the hook autograd's engine
-    iterates over, so it waits while another thread's W delivers the leaf
-    (:func:`delivering`): done during that engine call, it crashed the process.
+    Installing or removing a stand-in replaces the hook object autograd's
+    engine iterates, which frees it: during a W's delivery of the leaf (this
+    thread's, when B runs from one of the leaf's hooks, or another thread's)
+    that crashed the process. So while some W delivers the leaf
+    (:func:`delivering`) its hooks are silenced in place, in its own dict (a
+    hook registered meanwhile is then not held aside), and a stand-in whose
+    capture ends meanwhile stays until that delivery ends. Nothing waits.
     """
     me = threading.get_ident()
     entered: list[_Window] = []
@@ -74,10 +79,7 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
             for leaf in leaves:
                 window = _WINDOWS.get(id(leaf))
                 if window is None:
-                    _SWAPS.wait_for(functools.partial(_undelivered, leaf, me))
-                    window = _WINDOWS.get(id(leaf))  # opened by another thread meanwhile
-                    if window is None:
-                        window = _WINDOWS[id(leaf)] = _Window(leaf)
+                    window = _WINDOWS[id(leaf)] = _Window(leaf, in_place=id(leaf) in _DELIVERING)
                 window.threads.append(me)
                 entered.append(window)
         yield
@@ -85,24 +87,19 @@ def silenced_tensor_hooks(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
         with _SWAPS:
             for window in entered:
                 window.threads.remove(me)
-                if not window.threads:
-                    _SWAPS.wait_for(functools.partial(_undelivered, window.leaf, me))
-                    if not window.threads:  # nobody entered it meanwhile
-                        del _WINDOWS[id(window.leaf)]
-                        window.close()
+                _close_if_unused(window)
 
 
 @contextlib.contextmanager
 def delivering(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
     """Mark the leaves as delivered by an engine call of this thread (W's) for the duration.
 
-    No other thread installs or removes a stand-in for their hooks meanwhile
-    (:func:`silenced_tensor_hooks` waits): the engine runs a leaf's hooks
-    through one hook object, which replacing the leaf's ``_backward_hooks``
-    frees, mid-call (a segfault). It also keeps a stand-in's lookup of the
-    leaf's accumulator from running while W's helper node, made with the GIL
-    held, reads it (torch 2.13 takes the accumulator's lock, then the GIL:
-    a deadlock).
+    Meanwhile no stand-in for their hooks is installed or removed
+    (:func:`silenced_tensor_hooks`): the engine runs a leaf's hooks through one
+    hook object, which replacing the leaf's ``_backward_hooks`` frees, mid-call
+    (a segfault). A stand-in lookup of the leaf's accumulator does not run
+    beside W's helper node either, which reads it with the GIL held (torch 2.13
+    takes the accumulator's lock, then the GIL: a deadlock).
     """
     me = threading.get_ident()
     ids = [id(leaf) for leaf in leaves]
@@ -118,31 +115,61 @@ def delivering(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
                 threads.remove(me)
                 if not threads:
                     del _DELIVERING[i]
-            _SWAPS.notify_all()
+                    window = _WINDOWS.get(i)
+                    if window is not None:
+                        _close_if_unused(window)
 
 
-def _undelivered(leaf: torch.Tensor, me: int) -> bool:
-    return all(thread == me for thread in _DELIVERING.get(id(leaf), ()))
+def _close_if_unused(window: _Window) -> None:
+    """Close a window no capture is in, unless a W delivers its leaf (``delivering`` closes it
+    then). Under ``_SWAPS``."""
+    leaf_id = id(window.leaf)
+    if window.threads or (not window.in_place and leaf_id in _DELIVERING):
+        return
+    del _WINDOWS[leaf_id]
+    window.close()
 
 
 class _Window:
-    """One leaf's silenced span: its own hook dict, the stand-in installed instead, and the
-    threads capturing inside it (one entry per entry into :func:`silenced_tensor_hooks`)."""
+    """One leaf's silenced span: its own hook dict, what silences it, and the threads capturing
+    inside it (one entry per entry into :func:`silenced_tensor_hooks`).
 
-    def __init__(self, leaf: torch.Tensor) -> None:
+    A stand-in dict installed as the leaf's ``_backward_hooks``, or (``in_place``, while a W
+    delivers the leaf) its own dict's hooks wrapped where they are: no hook object changes.
+    """
+
+    def __init__(self, leaf: torch.Tensor, *, in_place: bool) -> None:
         self.leaf, self.own = leaf, leaf._backward_hooks
+        self.in_place = in_place
         self.threads: list[int] = []
         self.stand_in = _HeldHooks()
+        self.wrapped: dict[Any, tuple[Any, _SilentAtCapture]] = {}
+        node = None
         if self.own:
-            node = get_gradient_edge(leaf).node
-            for key, hook in self.own.items():
-                collections.OrderedDict.__setitem__(
-                    self.stand_in, key, _SilentAtCapture(hook, node, self.threads)
-                )
+            with ACCUMULATOR_READS:
+                node = get_gradient_edge(leaf).node
+        if in_place:
+            # No dict: no hook to silence, and installing one is what must not happen now.
+            for key, hook in (self.own or {}).items():
+                silent = _SilentAtCapture(hook, node, self.threads)  # type: ignore[arg-type]
+                self.wrapped[key] = (hook, silent)
+                self.own[key] = silent  # type: ignore[index]
+            return
+        for key, hook in (self.own or {}).items():
+            collections.OrderedDict.__setitem__(
+                self.stand_in,
+                key,
+                _SilentAtCapture(hook, node, self.threads),  # type: ignore[arg-type]
+            )
         leaf._backward_hooks = self.stand_in
 
     def close(self) -> None:
         """Put the leaf's own dict back, with the hooks registered meanwhile."""
+        if self.in_place:
+            for key, (hook, silent) in self.wrapped.items():
+                if self.own is not None and self.own.get(key) is silent:  # not removed meanwhile
+                    self.own[key] = hook
+            return
         own, stand_in = self.own, self.stand_in
         if stand_in.held:
             if own is None:
@@ -154,12 +181,16 @@ class _Window:
 
 
 # The leaves whose hooks are silenced now, across threads, by id (a window holds its
-# leaf, so the id is not reused while it is open; it is dropped when the last thread leaves).
+# leaf, so the id is not reused while it is open; it is dropped when it closes).
 _WINDOWS: dict[int, _Window] = {}
 # The leaves a W of some thread delivers now, by id (W holds them), with those threads.
 _DELIVERING: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
 # Guards both; stand-ins are installed and removed only under it.
-_SWAPS = threading.Condition(threading.Lock())
+_SWAPS = threading.Lock()
+#: Held while gradsafe reads a leaf's gradient accumulator with the GIL held (W's helper node)
+#: or beside such a read (a window's lookup): torch 2.13 takes the accumulator's lock, then the
+#: GIL, so the two on two threads deadlock.
+ACCUMULATOR_READS = threading.Lock()
 
 
 class _SilentAtCapture:
