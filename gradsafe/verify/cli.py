@@ -133,7 +133,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
             f"{' and '.join(measured)}, or run without --schedule"
         )
     if args.time and args.work:
-        return "--work counts FLOPs in every run, which would slow the timed ones: not with --time"
+        return "--work counts FLOPs in every run: not in timed runs (it would slow them); drop --time or --work"
     unknown = [o for o in args.orders.split(",") if o and o not in _ORDERS]
     if unknown or not any(args.orders.split(",")):
         return f"unknown W order(s) {unknown} in --orders; choose from {', '.join(_ORDERS)}"
