@@ -7,7 +7,11 @@ to 2.13, ``_checkpoint_without_reentrant_generator_impl`` from 2.14) and
 ``CheckpointFunction`` (reentrant). Wrappers that captured ``checkpoint``
 itself when they wrapped a block (torch's ``checkpoint_wrapper``,
 torchtitan's) still call it, so replacing those two globals runs every such
-region as a plain call. Which generator ``checkpoint`` calls is read from its
+region as a plain call. The replacements are
+process-wide but act only on threads inside :func:`checkpointing_off` (a
+training loop, or another verify's checkpointed runs, on other threads keep
+checkpointing), and concurrent entries share one replacement, which the last
+to leave restores. Which generator ``checkpoint`` calls is read from its
 code and that of the module's functions it calls (a feature of the installed
 torch, not its version); where neither is there, the reference is not
 measured and the report says why.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,29 +72,63 @@ def _called_names() -> set[str]:
     return names
 
 
-def _plain_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
-    """What ``checkpoint`` drives around the region's forward (before, after): nothing."""
-    yield
+# Threads inside ``checkpointing_off`` now (a count per thread: verify's run may nest), the
+# globals' originals while replaced, and how many entries share the replacement.
+_OFF = threading.local()
+_LOCK = threading.Lock()
+_originals: dict[str, Any] = {}
+_entered = 0
 
 
-class _PlainFunction:
-    """``CheckpointFunction.apply(function, preserve_rng_state, *args)``: just the call."""
+def _off() -> bool:
+    return getattr(_OFF, "depth", 0) > 0
+
+
+def _generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """What ``checkpoint`` drives around the region's forward (before, after): nothing on a
+    thread inside ``checkpointing_off``, the original generator on any other."""
+    if _off():
+        yield
+        return
+    yield from _originals["generator"](*args, **kwargs)
+
+
+class _Function:
+    """``CheckpointFunction.apply(function, preserve_rng_state, *args)``: just the call on a
+    thread inside ``checkpointing_off``, the original Function on any other."""
 
     @staticmethod
     def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-        return function(*args)
+        if _off():
+            return function(*args)
+        return _originals["reentrant"].apply(function, preserve_rng_state, *args)
 
 
 @contextlib.contextmanager
 def checkpointing_off(names: tuple[str, str]) -> Iterator[None]:
-    """Inside, ``torch.utils.checkpoint.checkpoint`` runs its function without checkpointing;
-    ``names`` are :func:`globals_to_replace`'s. Restored on leaving, also on an exception."""
+    """Inside, ``torch.utils.checkpoint.checkpoint`` runs its function without checkpointing
+    on this thread; ``names`` are :func:`globals_to_replace`'s. The globals are replaced
+    process-wide (other threads' calls go to the originals), once for concurrent entries; the
+    last to leave restores them, also on an exception."""
+    global _entered
     generator, reentrant = names
-    saved = {name: getattr(torch_checkpoint, name) for name in names}
-    setattr(torch_checkpoint, generator, _plain_generator)
-    setattr(torch_checkpoint, reentrant, _PlainFunction)
+    with _LOCK:
+        if _entered == 0:
+            _originals.update(
+                generator=getattr(torch_checkpoint, generator),
+                reentrant=getattr(torch_checkpoint, reentrant),
+            )
+            setattr(torch_checkpoint, generator, _generator)
+            setattr(torch_checkpoint, reentrant, _Function)
+        _entered += 1
+    _OFF.depth = getattr(_OFF, "depth", 0) + 1
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(torch_checkpoint, name, value)
+        _OFF.depth -= 1
+        with _LOCK:
+            _entered -= 1
+            if _entered == 0:
+                setattr(torch_checkpoint, generator, _originals["generator"])
+                setattr(torch_checkpoint, reentrant, _originals["reentrant"])
+                _originals.clear()

@@ -125,6 +125,15 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         module_name, sep, attr = args.factory.partition(":")
         if not sep or not module_name or not attr:
             return f"expected PACKAGE.MODULE:FACTORY, got {args.factory!r}"
+    measured = [f"--{name}" for name in ("time", "memory", "work") if getattr(args, name)]
+    if measured and args.schedule and args.torchtitan is None:
+        return (
+            f"{' and '.join(measured)} measure the single-process runs; --schedule with a "
+            "FACTORY runs torch's schedule on gloo ranks and measures none of them: drop "
+            f"{' and '.join(measured)}, or run without --schedule"
+        )
+    if args.time and args.work:
+        return "--work counts FLOPs in every run: not in timed runs (it would slow them); drop --time or --work"
     unknown = [o for o in args.orders.split(",") if o and o not in _ORDERS]
     if unknown or not any(args.orders.split(",")):
         return f"unknown W order(s) {unknown} in --orders; choose from {', '.join(_ORDERS)}"

@@ -82,6 +82,9 @@ def test_a_factory_error_is_one_line_with_a_hint_and_its_traceback_on_request(
         ["verify", "no_colon_here"],
         ["verify", "_factories:param_only_output", "--orders", "w-sideways"],
         ["verify", "--torchtitan", "llama3"],
+        # before, the schedule ran and the flag was ignored (exit 0, nothing measured)
+        ["verify", "_factories:tied_v", "--schedule", "ZBVZeroBubble", "--work"],
+        ["verify", "_factories:param_only_output", "--time", "--work"],
     ],
 )
 def test_argument_errors_exit_2_before_torch_is_imported(args: list[str]) -> None:

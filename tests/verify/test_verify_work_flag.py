@@ -137,3 +137,57 @@ def test_a_torch_whose_checkpoint_calls_other_names_leaves_the_reference_unmeasu
     assert ours.uncheckpointed_w_share is None and not ours.w_share_low
     assert "cannot run the stage without its checkpoints" in ours.not_measured
     assert "Uncheckpointed share not measured: torch.utils.checkpoint.checkpoint" in str(report)
+
+
+def test_concurrent_verifies_leave_checkpoint_restored_and_other_threads_checkpointing() -> None:
+    """Two verifies on two threads whose runs without checkpointing overlap, the first to enter
+    leaving first: before, the second put back the first's replacements on leaving, and
+    ``checkpoint`` stayed turned off in the whole process. Meanwhile a checkpoint called on a
+    third thread still recomputes."""
+    import threading
+
+    before = _globals()
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    recomputed: list[int] = []
+
+    def other_thread_checkpoints() -> None:
+        calls: list[int] = []
+        x = torch.ones(2, requires_grad=True)
+        out = torch_checkpoint.checkpoint(
+            lambda t: (calls.append(1), t.sin())[1], x, use_reentrant=False
+        )
+        out.sum().backward()
+        recomputed.append(len(calls) - 1)
+
+    def progress_a(line: str) -> None:
+        if "checkpointing off" in line:
+            a_in.set()
+            assert b_in.wait(120)
+            checker = threading.Thread(target=other_thread_checkpoints)
+            checker.start()
+            checker.join(120)
+
+    def progress_b(line: str) -> None:
+        if "checkpointing off" in line:
+            b_in.set()
+            assert a_done.wait(120)
+
+    def run(progress: Any, after: Any) -> None:
+        verify(
+            _stage(CheckpointImpl.NO_REENTRANT),
+            _batches(),
+            orders=(ORDER,),
+            work=True,
+            progress=progress,
+        )
+        after()
+
+    first = threading.Thread(target=run, args=(progress_a, a_done.set))
+    second = threading.Thread(target=run, args=(progress_b, lambda: None))
+    first.start()
+    assert a_in.wait(120)
+    second.start()
+    first.join(240)
+    second.join(240)
+    assert _globals() == before
+    assert recomputed == [1]
