@@ -10,6 +10,7 @@ policy.
 """
 
 from gradsafe.pipelining._graph import StageGraph, analyze
+from gradsafe.pipelining._policy import current_policy
 from gradsafe.pipelining._torch import (
     apply_to_tensors,
     device_probes_answer,
@@ -23,6 +24,7 @@ __all__ = [
     "StageGraph",
     "analyze",
     "apply_to_tensors",
+    "current_policy",
     "device_probes_answer",
     "is_python_node",
     "module_backward_hook_dicts",

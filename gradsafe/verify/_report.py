@@ -400,9 +400,12 @@ def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list
             lines.append(f"  {impl:14} {order:12} " + ", ".join(cells))
     if any(w.w_share_low for w in shares):
         lines.append(
-            "  LOW: the checkpointed regions' weight gradients run in B, so a zero-bubble "
-            "schedule has that much less W to fill its bubbles with; gradsafe's default policy "
-            "CheckpointedWeights.IN_W runs them in W (docs/pipelining.md)."
+            "  LOW: W carries under half the share it carries on the same stage without "
+            "checkpointing, so a zero-bubble schedule has that much less W to fill its bubbles "
+            "with. Either weight gradients run in B (CheckpointedWeights.IN_B, a custom Function "
+            "without a delayed path, a compiled region; gradsafe's default IN_W runs checkpointed "
+            "ones in W: docs/pipelining.md) or B's recomputation is most of the work (matmuls "
+            "with no weight gradient recomputed, such as a table built in the forward)."
         )
     missing = {w.not_measured for w in shares if w.not_measured}
     lines += [f"  Uncheckpointed share not measured: {why}." for why in missing]

@@ -333,3 +333,29 @@ def test_sparse_gradients_are_compared_and_a_dense_one_in_their_place_is_wrong(
     report = verify(_SparseEmbedding(), batches)
     assert not report.ok
     assert all(r.params == ("emb.weight",) for r in report.gradsafe.values()), str(report)
+
+
+def test_recompute_in_w_re_running_each_region_in_w_too_is_not_reported_as_a_gradsafe_bug() -> None:
+    """``CheckpointedWeights.RECOMPUTE_IN_W`` re-runs each plain region's forward in W as well as
+    in B, by design: verify counts up to twice the fused recomputations as the policy chosen, not
+    as a difference (it was exit 1, "a gradsafe bug", with every gradient equal)."""
+    from gradsafe.pipelining import CheckpointedWeights, checkpointed_weights
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.mlp, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="RECOMPUTE_IN_W"):
+        with checkpointed_weights(CheckpointedWeights.RECOMPUTE_IN_W):
+            report = verify(Checkpointed(), _batches(), orders=("w-after-b",))
+    assert report.ok, str(report)
+    rows = {row.label: row for row in report.hooks}
+    recomputed = rows["forward of mlp recomputed in backward"]
+    assert recomputed.calls["gradsafe"]["w-after-b"] == 2 * recomputed.fused  # the policy's re-run
+    torch.manual_seed(0)
+    assert verify(Checkpointed(), _batches(), orders=("w-after-b",)).ok  # IN_W: once, as fused
