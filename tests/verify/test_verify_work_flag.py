@@ -57,7 +57,7 @@ def test_a_checkpointed_stage_whose_weight_work_runs_in_b_is_flagged() -> None:
     assert ours.w_share == 0.0 and ours.uncheckpointed_w_share == 0.5 and ours.w_share_low
     text = str(report)
     assert "stage 0 0% (32 re-run) LOW" in text, text
-    assert "CheckpointedWeights.IN_W runs them in W" in text, text
+    assert "gradsafe's default IN_W runs checkpointed ones in W" in text, text
     data = report.to_json()
     assert data["work"]["gradsafe"][ORDER][0]["w_share_low"] is True
     assert data["work"]["gradsafe"][ORDER][0]["uncheckpointed_w_share"] == 0.5
