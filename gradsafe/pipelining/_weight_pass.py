@@ -559,37 +559,37 @@ def deliver_as_ready(
                 to_leaves.append(sums.pop((leaf, 0), None))
                 leaves_now.append(leaf)
         progress.under_way = len(leaves_now)
-        # From the helper node's creation to the engine's end: see `delivering`.
-        with delivering([leaf_of[n] for n in leaves_now]):
-            # Every leaf gets its accumulator run, with None if nothing arrived: a
-            # fused backward runs it too, and its hooks fire.
-            reached = {child for edge in roots for child, _ in edge.node.next_functions}  # type: ignore[union-attr]
-            if all(
-                leaf_of[leaf].grad is not None if grad is not None else leaf in reached
-                for leaf, grad in zip(leaves_now, to_leaves)
-            ):
-                # Each accumulator adds into the `.grad` it holds: straight from the engine's root.
-                for leaf, grad in zip(leaves_now, to_leaves):
-                    if grad is not None:
-                        roots.append(GradientEdge(leaf, 0))
-                        grads.append(grad)
-            else:
-                # Through a helper node: the engine's root keeps its gradients
-                # referenced, which would keep AccumulateGrad from adopting one as
-                # `.grad` (a copy, and a second gradient's worth of memory).
-                with torch.enable_grad(), ACCUMULATOR_READS:
-                    roots.append(
-                        apply_function(
-                            _Deliver, anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now)
-                        )
+        # Every leaf gets its accumulator run, with None if nothing arrived: a
+        # fused backward runs it too, and its hooks fire.
+        reached = {child for edge in roots for child, _ in edge.node.next_functions}  # type: ignore[union-attr]
+        if all(
+            leaf_of[leaf].grad is not None if grad is not None else leaf in reached
+            for leaf, grad in zip(leaves_now, to_leaves)
+        ):
+            # Each accumulator adds into the `.grad` it holds: straight from the engine's root.
+            for leaf, grad in zip(leaves_now, to_leaves):
+                if grad is not None:
+                    roots.append(GradientEdge(leaf, 0))
+                    grads.append(grad)
+        else:
+            # Through a helper node: the engine's root keeps its gradients
+            # referenced, which would keep AccumulateGrad from adopting one as
+            # `.grad` (a copy, and a second gradient's worth of memory).
+            with torch.enable_grad(), ACCUMULATOR_READS:
+                roots.append(
+                    apply_function(
+                        _Deliver, anchor.leaf, to_leaves, (), *(leaf_of[n] for n in leaves_now)
                     )
-                grads.append(anchor.one)
-            del to_leaves
-            if marker_node is not None:
-                roots.append(GradientEdge(marker_node, 0))
-                grads.append(torch.zeros(()))  # the marker's, accumulated and never read
-            # The graph is retained: a weight-only part may be shared with a later
-            # backward (e.g. a weight transform computed once per step).
+                )
+            grads.append(anchor.one)
+        del to_leaves
+        if marker_node is not None:
+            roots.append(GradientEdge(marker_node, 0))
+            grads.append(torch.zeros(()))  # the marker's, accumulated and never read
+        # The graph is retained: a weight-only part may be shared with a later
+        # backward (e.g. a weight transform computed once per step). While the
+        # engine runs these leaves' hooks, no B swaps them out: see `delivering`.
+        with delivering([leaf_of[n] for n in leaves_now]):
             run_backward(roots, grads)
         progress.delivered += progress.under_way
         progress.under_way = 0

@@ -97,9 +97,7 @@ def delivering(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
     Meanwhile no stand-in for their hooks is installed or removed
     (:func:`silenced_tensor_hooks`): the engine runs a leaf's hooks through one
     hook object, which replacing the leaf's ``_backward_hooks`` frees, mid-call
-    (a segfault). A stand-in lookup of the leaf's accumulator does not run
-    beside W's helper node either, which reads it with the GIL held (torch 2.13
-    takes the accumulator's lock, then the GIL: a deadlock).
+    (a segfault).
     """
     me = threading.get_ident()
     ids = [id(leaf) for leaf in leaves]
@@ -149,7 +147,8 @@ class _Window:
             with ACCUMULATOR_READS:
                 node = get_gradient_edge(leaf).node
         if in_place:
-            # No dict: no hook to silence, and installing one is what must not happen now.
+            # Wrapped where they are; a leaf with no dict has nothing to silence, and
+            # installing one is what must not happen now.
             for key, hook in (self.own or {}).items():
                 silent = _SilentAtCapture(hook, node, self.threads)  # type: ignore[arg-type]
                 self.wrapped[key] = (hook, silent)
