@@ -101,8 +101,8 @@ class WorkShare:
 
     For a split (gradsafe's, torch's), ``uncheckpointed_w_share`` is the same stage's W share
     in one extra run of gradsafe's split with activation checkpointing turned off, and
-    ``w_share_low`` flags a W share under half of it: the checkpointed regions' weight work
-    runs in B, leaving a zero-bubble schedule less W to fill its bubbles with.
+    ``w_share_low`` flags a W share under half of it, which leaves a zero-bubble schedule less
+    W to fill its bubbles with (weight gradients run in B, or B's recomputation dominates).
     ``not_measured`` says why that reference is missing ("" when measured, and off splits).
     """
 
