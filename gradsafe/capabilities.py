@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from gradsafe.patching import REGISTRY, Patch, Plan
 
 if TYPE_CHECKING:
-    from gradsafe.checks import Check
+    from gradsafe.checks import Check, Probe
 
 __all__ = ["CAPABILITIES", "Capability", "CapabilityName", "PatchName"]
 
@@ -27,13 +27,20 @@ PatchName = Literal["pipelining", "dtensor", "cuda_graphs"]
 CapabilityName = Literal["pipelining", "dtensor", "cuda_graphs", "wgrad"]
 
 
+def no_probes() -> tuple[Probe, ...]:
+    """A capability whose paths no behavioural probe chooses (beyond its patch's plan)."""
+    return ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """One capability: its patch (None for ``wgrad``) and its doctor rows."""
+    """One capability: its patch (None for ``wgrad``), its doctor rows, and the behaviours
+    of torch its paths are chosen by (``probes``; beyond those its patch's plan checks)."""
 
     name: CapabilityName
     patch: Patch | None
     hazards: Callable[[], tuple[Check, ...]]
+    probes: Callable[[], tuple[Probe, ...]] = no_probes
 
 
 # -- patches: each plan is the capability's own _patch.plan(), imported on first use --
@@ -128,9 +135,15 @@ def _wgrad_hazards() -> tuple[Check, ...]:
     return CHECKS
 
 
+def _pipelining_probes() -> tuple[Probe, ...]:
+    from gradsafe.pipelining._patch import PROBES
+
+    return PROBES
+
+
 #: In the order the doctor shows them.
 CAPABILITIES: Final[tuple[Capability, ...]] = (
-    Capability("pipelining", PIPELINING, _pipelining_hazards),
+    Capability("pipelining", PIPELINING, _pipelining_hazards, _pipelining_probes),
     Capability("dtensor", DTENSOR, _dtensor_hazards),
     Capability("cuda_graphs", CUDA_GRAPHS, _cuda_graphs_hazards),
     Capability("wgrad", None, _wgrad_hazards),

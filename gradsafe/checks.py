@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from gradsafe import patching
 
-__all__ = ["Check", "Outcome", "patched_check"]
+__all__ = ["Check", "Outcome", "Probe", "patched_check"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,21 @@ class Outcome:
     def label(self) -> str:
         verdict = {True: "right", False: "WRONG", None: "n/a"}[self.correct]
         return f"{verdict}: {self.detail}" if self.detail else verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A behaviour of the installed torch a capability relies on, checked on tiny tensors.
+
+    ``run`` returns None where torch behaves as relied on, else how it differs;
+    ``fallback`` says what gradsafe does then (an exact other path, or a
+    refusal). The doctor runs each and names the fallbacks in force.
+    """
+
+    name: str
+    capability: str
+    fallback: str
+    run: Callable[[], str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +70,7 @@ class Check:
     run_gradsafe: Callable[[], Outcome]
     upstream_source: str = "installed torch"
     patch: str | None = None
+    note: str = ""  # what a reader of the upstream figure should know (why it varies run to run)
 
     def upstream(self, registry: patching.PatchRegistry | None = None) -> Outcome:
         """The reproduction against upstream (``registry``: the process's one by default)."""
@@ -79,7 +95,7 @@ class Check:
 
 
 def patched_check(
-    hazard: str, capability: str, patch_name: str, repro: Callable[[], Outcome]
+    hazard: str, capability: str, patch_name: str, repro: Callable[[], Outcome], note: str = ""
 ) -> Check:
     """A check whose gradsafe run is ``repro`` under ``gradsafe.patch(patch_name)``."""
-    return Check(hazard, capability, repro, repro, patch=patch_name)
+    return Check(hazard, capability, repro, repro, patch=patch_name, note=note)

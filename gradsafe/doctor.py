@@ -7,6 +7,11 @@ runs a reproduction against upstream and with gradsafe, each returning an
 :class:`~gradsafe.checks.Outcome`. A crash is an outcome too
 (upstream crashes are one of the hazards), so exceptions are caught and
 reported, never raised.
+
+The report also says whether the installed torch is newer than any gradsafe
+was tested on (:data:`~gradsafe._torch_support.NEWEST_TESTED_TORCH`), which
+behavioural probes of torch internals passed (each capability's ``probes``),
+and the fallbacks in force: a probe that differs, a patch skipped.
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradsafe import capabilities
-from gradsafe.checks import Outcome
+from gradsafe._shared.doc_links import doc
+from gradsafe._torch_support import NEWEST_TESTED_TORCH, newer_than_tested
+from gradsafe.checks import Outcome, Probe
 from gradsafe.patching import REGISTRY, Skip
 
-__all__ = ["PatchPlan", "Report", "Row", "run"]
+__all__ = ["PatchPlan", "ProbeResult", "Report", "Row", "run"]
+
+#: The newest torch release gradsafe was tested on, as the report prints it.
+NEWEST_TESTED = ".".join(map(str, NEWEST_TESTED_TORCH))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,7 @@ class Row:
     upstream: Outcome
     gradsafe: Outcome
     seconds: float
+    note: str = ""  # the check's note on its upstream figure
 
     @property
     def hazard_here(self) -> bool:
@@ -65,15 +76,38 @@ class PatchPlan:
         return f"{self.name}: replaces {slots} torch slot{'s' * (slots != 1)}"
 
 
-#: What the doctor says to do once every row is right with gradsafe.
-_NEXT_STEPS = (
-    "Next:",
-    "  1. apply it around your training loop:  with gradsafe.patch(): train()",
-    "     (or gradsafe.patch() once at start-up)",
-    "  2. check your own model:  gradsafe verify PACKAGE.MODULE:FACTORY  (docs/verify.md)",
-    "  3. a symptom (wrong ZBV gradients, NaN after the first step, ...) to its fix:",
-    "     docs/troubleshooting.md",
-)
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """One behavioural probe of torch internals on the installed torch."""
+
+    capability: str
+    name: str
+    differs: str | None
+    fallback: str
+
+    @property
+    def passed(self) -> bool:
+        return self.differs is None
+
+    def __str__(self) -> str:
+        if self.passed:
+            return f"{self.capability}: {self.name}: passed"
+        return (
+            f"{self.capability}: {self.name}: DIFFERS ({self.differs}); fallback: {self.fallback}"
+        )
+
+
+def _next_steps() -> list[str]:
+    """What the doctor says to do once every row is right with gradsafe."""
+    return [
+        "Next:",
+        "  1. apply it around your training loop:  with gradsafe.patch(): train()",
+        "     (or gradsafe.patch() once at start-up)",
+        "  2. check your own model:  gradsafe verify PACKAGE.MODULE:FACTORY",
+        f"     ({doc('verify.md')})",
+        "  3. a symptom (wrong ZBV gradients, NaN after the first step, ...) to its fix:",
+        f"     {doc('troubleshooting.md')}",
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +118,19 @@ class Report:
     machine: str
     rows: tuple[Row, ...]
     patches: tuple[PatchPlan, ...]
+    probes: tuple[ProbeResult, ...] = ()
+
+    @property
+    def newer_than_tested(self) -> bool:
+        """The installed torch is a release after the newest one gradsafe was tested on."""
+        return newer_than_tested(self.torch_version)
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """What gradsafe does differently on this torch: each probe that differs, each patch skipped."""
+        found = [f"{p.capability}: {p.fallback} ({p.differs})" for p in self.probes if not p.passed]
+        found += [f"{p.name}: patch skipped ({p.skipped})" for p in self.patches if p.skipped]
+        return tuple(found)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +147,10 @@ class Report:
                 {**dataclasses.asdict(row), "hazard_here": row.hazard_here} for row in self.rows
             ],
             "patches": [dataclasses.asdict(p) for p in self.patches],
+            "newest_tested_torch": NEWEST_TESTED,
+            "newer_than_tested": self.newer_than_tested,
+            "probes": [{**dataclasses.asdict(p), "passed": p.passed} for p in self.probes],
+            "fallbacks": list(self.fallbacks),
         }
 
     def render(self, width: int | None = None, *, verbose: bool = False) -> str:
@@ -123,11 +174,12 @@ class Report:
             for i in (1, 2):
                 widths[i] = min(widths[i], room // 2)
         fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-        lines = [f"torch {self.torch_version} ({self.machine})", ""]
+        lines = [f"torch {self.torch_version} ({self.machine})", *self._newer(), ""]
         lines += [fmt.format(*header), "-+-".join("-" * w for w in widths)]
         cells = [[_cut(cell, w) for cell, w in zip(line, widths)] for line in body]
         lines += [fmt.format(*line) for line in cells]
         lines += [f"{mark} upstream column: {source}" for source, mark in marks.items()]
+        lines += [f"{r.hazard}: {r.note}" for r in self.rows if r.note and r.hazard_here]
         if cells != [list(line) for line in body]:
             lines.append(
                 "(cells cut to the terminal's width; `gradsafe doctor --json` has them whole)"
@@ -140,7 +192,25 @@ class Report:
         lines += [f"  {p if verbose else p.short()}" for p in self.patches] or [
             "  none: the selected capabilities have no patch"
         ]
-        return "\n".join([*lines, "", *self._closing()])
+        return "\n".join([*lines, *self._probe_lines(), "", *self._closing()])
+
+    def _newer(self) -> list[str]:
+        if not self.newer_than_tested:
+            return []
+        return [
+            f"This torch is newer than {NEWEST_TESTED}, the newest release gradsafe was tested "
+            "on: the probes below choose each path, and the rows above are what was measured here."
+        ]
+
+    def _probe_lines(self) -> list[str]:
+        passed = [f"{p.capability}: {p.name}" for p in self.probes if p.passed]
+        lines = ["", "Probes of torch internals (docs/architecture.md lists each):"]
+        lines += [f"  passed: {name}" for name in passed]
+        lines += [f"  {p}" for p in self.probes if not p.passed]
+        if not self.probes:
+            lines.append("  none for the selected capabilities")
+        lines.append("Fallbacks in force:" + ("" if self.fallbacks else " none"))
+        return lines + [f"  {f}" for f in self.fallbacks]
 
     def _closing(self) -> list[str]:
         if not self.ok:
@@ -148,7 +218,7 @@ class Report:
                 "NOT OK: the rows whose 'with gradsafe' cell is not 'right' are hazards gradsafe "
                 "does not remove on this torch (or could not measure); `gradsafe doctor --json` "
                 "has the whole cells. Please report them with that output.",
-                "Symptoms and fixes: docs/troubleshooting.md",
+                f"Symptoms and fixes: {doc('troubleshooting.md')}",
             ]
         hazards = sum(row.hazard_here for row in self.rows)
         verdict = f"gradsafe removes every hazard above ({hazards} on this torch"
@@ -157,7 +227,7 @@ class Report:
             verdict += (
                 f"; {quiet} row{'s' * (quiet != 1)} not a hazard here, right with gradsafe too"
             )
-        return [verdict + ").", "", *_NEXT_STEPS]
+        return [verdict + ").", "", *_next_steps()]
 
     def __str__(self) -> str:
         return self.render()
@@ -254,7 +324,27 @@ def run(only: Sequence[str] = ()) -> Report:
                     upstream,
                     with_gradsafe,
                     time.perf_counter() - start,
+                    check.note,
                 )
             )
     machine = f"{platform.machine()}, {'CUDA' if torch.cuda.is_available() else 'CPU only'}"
-    return Report(torch.__version__, machine, tuple(rows), _plans(only))
+    return Report(torch.__version__, machine, tuple(rows), _plans(only), _probes(only))
+
+
+def _probes(only: Sequence[str]) -> tuple[ProbeResult, ...]:
+    results = []
+    for capability in capabilities.CAPABILITIES:
+        if only and capability.name not in only:
+            continue
+        for probe in capability.probes():
+            results.append(
+                ProbeResult(probe.capability, probe.name, _probe_differs(probe), probe.fallback)
+            )
+    return tuple(results)
+
+
+def _probe_differs(probe: Probe) -> str | None:
+    try:
+        return probe.run()
+    except Exception as exc:  # a probe's crash is a difference, reported, never raised
+        return _crash(exc)

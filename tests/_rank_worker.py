@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def run_rank(rank: int, port: str, outdir: str, body: Callable[[], dict[str, Any]]) -> None:
+def run_rank(rank: int, init_method: str, outdir: str, body: Callable[[], dict[str, Any]]) -> None:
     """Run ``body`` on a 2-rank gloo group and save what it returns as ``outdir/rank{rank}.pt``.
 
     A crash is saved as ``{"crash": message and traceback}`` and the process
@@ -22,7 +22,7 @@ def run_rank(rank: int, port: str, outdir: str, body: Callable[[], dict[str, Any
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=2,
             timeout=timedelta(seconds=60),

@@ -15,9 +15,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
+    """A TCP port free now: only for clients that rendezvous by ``env://`` (torchtitan)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def rendezvous(directory: Path) -> str:
+    """A gloo ``init_method`` in ``directory``: a file, so no free TCP port is raced for.
+
+    A port picked here and bound by rank 0 seconds later (after its torch import)
+    can be taken meanwhile by a test run beside this one (CI runs two sessions at
+    once); gloo's own connections bind ephemeral ports, which never collide.
+    """
+    return f"file://{directory.resolve() / 'rendezvous'}"
 
 
 def worker_env() -> dict[str, str]:
@@ -25,18 +36,28 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # connect the ranks over 127.0.0.1, whatever the hostname says
     return env
 
 
 def run_ranks(
-    script: Path, args: list[str], ranks: int, out: Path, what: str, timeout: float = 180
+    script: Path,
+    args: list[str],
+    ranks: int,
+    out: Path,
+    what: str,
+    timeout: float = 180,
+    tcp: bool = False,
 ) -> list[dict[str, object]]:
-    """Run ``script RANK PORT *args OUT`` on ``ranks`` processes; return each rank's ``OUT/rank{r}.pt``.
+    """Run ``script RANK RENDEZVOUS *args OUT`` on ``ranks`` processes; return each rank's ``OUT/rank{r}.pt``.
+
+    ``RENDEZVOUS`` is a file ``init_method`` (see ``rendezvous``), or with
+    ``tcp`` a free port, for a client that joins by ``env://`` itself.
 
     A run that cannot start because torch's stage initialisation sends to the
     rank's own other stage over gloo (torch 2.11, V-shaped schedules) skips.
     """
-    port = str(free_port())
+    port = str(free_port()) if tcp else rendezvous(out)
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), port, *args, str(out)],

@@ -11,6 +11,9 @@ from types import ModuleType
 
 import pytest
 
+# Reads gradsafe's source and docs only: the same on every torch (noxfile.py's SUITES).
+pytestmark = pytest.mark.torch_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

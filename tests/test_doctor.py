@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,9 @@ from gradsafe import capabilities, doctor
 from gradsafe.capabilities import Capability
 from gradsafe.checks import Check, Outcome, patched_check
 from gradsafe.patching import AttrTarget, Patch, PatchRegistry, Skip
+
+# The newest torch on the registry runs these first (noxfile.py's newest session).
+pytestmark = pytest.mark.smoke
 
 _LONG = "Trying to backward through the graph a second time " + "x" * 300
 
@@ -84,6 +88,7 @@ def test_json_is_complete(fake_table: list[Check]) -> None:
         "upstream",
         "gradsafe",
         "seconds",
+        "note",
         "hazard_here",
     }
     assert [row["hazard_here"] for row in data["rows"]] == [False, True, True]
@@ -268,3 +273,40 @@ def test_status_marks_the_testing_patch_patch_does_not_take() -> None:
     assert testing == ["cuda_graphs_emulation"]
     assert not set(testing) & set(gradsafe.patch_names())
     assert "cuda_graphs_emulation (gradsafe.testing, not a patch() name):" in str(status)
+
+
+def test_a_checks_note_on_its_upstream_figure_is_printed_under_the_table(
+    fake_table: list[Check],
+) -> None:
+    fake_table.append(
+        Check(
+            "varies",
+            "pipelining",
+            lambda: Outcome(False, "0.4 off"),
+            lambda: Outcome(True, ""),
+            note="it varies",
+        )
+    )
+    assert "varies: it varies" in str(doctor.run())
+
+
+def test_the_h6_row_says_its_figure_varies_because_the_memory_is_uninitialised() -> None:
+    from gradsafe.pipelining._hazards import CHECKS
+
+    (h6,) = [c for c in CHECKS if c.hazard.startswith("H6")]
+    assert "changes from run to run" in h6.note and "never initialised" in h6.note
+
+
+def test_docs_are_named_by_url_or_source_distribution_without_a_checkout(
+    fake_table: list[Check], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from gradsafe._shared import doc_links
+
+    monkeypatch.setattr(doc_links, "_CHECKOUT_DOCS", tmp_path)  # a wheel install: no docs/
+    assert doc_links.doc("verify.md").startswith("docs/verify.md of gradsafe's source")
+    monkeypatch.setattr(
+        doc_links, "_project_urls", lambda: {"source": "https://example.org/gradsafe"}
+    )
+    closing = str(doctor.run()).split("Next:")[1]
+    assert "https://example.org/gradsafe/blob/main/docs/troubleshooting.md" in closing
+    assert "https://example.org/gradsafe/blob/main/docs/verify.md" in closing

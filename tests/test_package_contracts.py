@@ -5,7 +5,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import gradsafe
+
+# Reads gradsafe's source and docs only: the same on every torch (noxfile.py's SUITES).
+pytestmark = pytest.mark.torch_independent
 
 
 def test_no_assert_statements_in_the_package() -> None:

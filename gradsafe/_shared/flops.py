@@ -32,9 +32,10 @@ class MatmulFlops(TorchDispatchMode):
     Like any dispatch mode it sees the operators run on the thread that entered
     it: a CPU backward's, not a CUDA backward's (autograd runs that on a device
     thread). With ``forwards=True`` it also sums, in :attr:`in_forward`, the
-    FLOPs run while some module's forward runs: inside a backward, that is
-    checkpoint recomputation (it registers global module forward hooks while
-    active, so only then).
+    FLOPs run while some module's forward runs, and per phase in
+    :attr:`in_forward_counts`: inside a backward, that is checkpoint
+    recomputation (it registers global module forward hooks while active, so
+    only then).
 
     Example::
 
@@ -55,6 +56,8 @@ class MatmulFlops(TorchDispatchMode):
         self.counts: collections.Counter[Hashable] = collections.Counter()
         #: FLOPs run inside a module's forward (with ``forwards=True``; else 0).
         self.in_forward = 0
+        #: :attr:`in_forward` per :attr:`phase`.
+        self.in_forward_counts: collections.Counter[Hashable] = collections.Counter()
         self._forwards = forwards
         self._depth = 0
         self._hooks: list[Any] = []
@@ -96,4 +99,5 @@ class MatmulFlops(TorchDispatchMode):
             self.counts[self.phase] += flops
             if self._depth:
                 self.in_forward += flops
+                self.in_forward_counts[self.phase] += flops
         return out

@@ -10,8 +10,8 @@ the fixes to torch's schedule classes kept in :mod:`gradsafe.pipelining.schedule
 of a rank share scaled once, H7; the stage call sites W needs changed).
 The tool that checks this split on a user's own stages is
 :mod:`gradsafe.verify` (``gradsafe.pipelining.verify``, ``ORDERS`` and
-``VerifyReport`` still resolve there, with a ``DeprecationWarning``, for one
-release).
+``VerifyReport`` still resolve there, with a ``DeprecationWarning``, until
+0.4.0).
 """
 
 from typing import Any
@@ -55,10 +55,11 @@ def __getattr__(name: str) -> Any:
     import warnings
 
     import gradsafe.verify
+    from gradsafe._shared.deprecation import removal_notice
 
     warnings.warn(
         f"gradsafe.pipelining.{name} moved: use `from gradsafe.verify import {name}` "
-        "(the old name goes in the next release).",
+        f"({removal_notice()}).",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -25,6 +25,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from gradsafe._shared.gc_pause import collector_paused
 from gradsafe.pipelining._graph import Intermediate, StageGraph, analyze
 from gradsafe.pipelining._handoff import (
+    ReadInRecompute,
     SplitBackwardError,
     WeightGradHandoff,
     detach_output,
@@ -35,6 +36,7 @@ from gradsafe.pipelining._refusals import (
     expect_handoff,
     leaf_owners,
     refuse_engine_error,
+    refuse_fsdp_reduction_in_b,
     refuse_inputs,
     refuse_other_post_hooks,
     refuse_post_hooks_added_in_b,
@@ -46,9 +48,11 @@ from gradsafe.pipelining._roots import Root, collect_roots, tensor_list
 from gradsafe.pipelining._torch import (
     captured_grads,
     exec_group,
+    has_hooked_saved,
     is_python_node,
     is_view,
     leaf_variable,
+    release_saved,
     silenced_tensor_hooks,
     unpack_twice,
     version,
@@ -162,12 +166,7 @@ def _stage_backward_input(
     require_input_list(input_values)
     weight_list = tensor_list(weights, "weights")
     roots = collect_roots(stage_outputs_or_loss, output_grads)
-    if any(_B_DONE in root.edge.node.metadata for root in roots):  # type: ignore[operator]
-        raise SplitBackwardError(
-            "stage_backward_input already ran from these stage outputs: B runs once per "
-            "microbatch (a second B would add the input gradients twice). Redo the forward for "
-            "another backward."
-        )
+    _refuse_a_second_b(roots)
     inputs = [
         (i, t)
         for i, t in enumerate(input_values)
@@ -180,6 +179,7 @@ def _stage_backward_input(
         graph.leaves.values(), {id(w) for w in weight_list}, loss=output_grads is None
     )
     refuse_weight_side(graph, input_nodes)
+    refuse_fsdp_reduction_in_b(graph.leaves.values())
     policy = current_policy()
     in_b, in_k, has_checkpoints, twice = weight_parts_in_b(graph, policy)
     k_leaves = [n for n in graph.leaves if n in in_k]
@@ -192,11 +192,9 @@ def _stage_backward_input(
         captured, at_leaves = _run_b(
             graph, roots, inputs, dinputs, in_b, k_leaves, k_outputs, group
         )
-    for i in graph.input_side_outputs:
-        if leaf_variable(roots[i].edge.node) is None:
-            roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
-
+    _mark_b_done(graph, roots)
     _accumulate_leaf_inputs(inputs, dinputs)
+    _release_input_only(graph, in_b)
     w_nodes = [n for n in graph.weight_nodes if n not in in_k]
     keep, later = _detach_outputs(roots, graph, w_nodes, input_values)
     handoff = WeightGradHandoff(
@@ -211,8 +209,32 @@ def _stage_backward_input(
         group=_w_group(group, policy),
         kernels=kernels,
         recomputed=recomputed,
+        read_in_recompute=_read_in_recompute(policy, graph, in_b, weight_list, owners),
     )
     return tuple(dinputs), handoff
+
+
+def _refuse_a_second_b(roots: Sequence[Root]) -> None:
+    if any(_B_DONE in root.edge.node.metadata for root in roots):  # type: ignore[operator]
+        raise SplitBackwardError(
+            "stage_backward_input already ran from these stage outputs: B runs once per "
+            "microbatch (a second B would add the input gradients twice). Redo the forward for "
+            "another backward."
+        )
+
+
+def _mark_b_done(graph: StageGraph, roots: Sequence[Root]) -> None:
+    """Mark the outputs B backpropagated through to the inputs, so a second B is refused."""
+    for i in graph.input_side_outputs:
+        if leaf_variable(roots[i].edge.node) is None:
+            roots[i].edge.node.metadata[_B_DONE] = True  # type: ignore[index]
+
+
+def _release_input_only(graph: StageGraph, in_b: set[Intermediate]) -> None:
+    """Free what only the input gradients needed, as a fused backward frees it (torch's
+    split holds it until W): the saved tensors of the input-side nodes W does not call."""
+    called = {item.node for item in graph.intermediates if item not in in_b}
+    release_saved([node for node in graph.input_side if node not in called])
 
 
 def _accumulate_leaf_inputs(
@@ -224,6 +246,21 @@ def _accumulate_leaf_inputs(
         # Out of place: the previous `.grad` may be a gradient already handed on.
         if dinput is not None and tensor.is_leaf:
             tensor.grad = dinput if tensor.grad is None else tensor.grad + dinput
+
+
+def _read_in_recompute(
+    policy: CheckpointedWeights,
+    graph: StageGraph,
+    in_b: set[Intermediate],
+    weights: Sequence[torch.Tensor],
+    owners: Sequence[tuple[torch.Tensor, ...]],
+) -> ReadInRecompute | None:
+    """The parameters' versions after B, where W will recompute a checkpointed region (else None)."""
+    if policy is not CheckpointedWeights.RECOMPUTE_IN_W:
+        return None
+    if not any(item not in in_b and has_hooked_saved(item.node) for item in graph.intermediates):
+        return None
+    return ReadInRecompute([*weights, *(t for group in owners for t in group)])
 
 
 def _w_group(group: Any, policy: CheckpointedWeights) -> Any:

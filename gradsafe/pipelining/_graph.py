@@ -69,6 +69,8 @@ class StageGraph:
     # Positions of outputs whose node another node in the graph consumes (an
     # output also used inside the stage): a node W runs may have saved it.
     consumed_outputs: tuple[int, ...]
+    # Nodes from which a stage input is reachable (B runs them), the inputs' own nodes excluded.
+    input_side: tuple[Node, ...]
     # Every node visited, stage inputs' own nodes included.
     nodes: tuple[Node, ...]
     num_nodes: int
@@ -81,15 +83,54 @@ def analyze(outputs: Sequence[GradientEdge], input_nodes: Collection[Node]) -> S
 
 
 def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
-    # Over 60 lines on purpose: one iterative post-order walk that classifies
-    # each node as it finishes; split up, the walk's state would be passed
-    # between functions on every node of every B.
+    walked = _walk(outputs, inputs)
+    flags, children = walked.flags, walked.children
+    walked.intermediates.reverse()
+    walked.weight_nodes.reverse()
+    consumed: set[Node] = set()
+    if len(outputs) > 1:  # with one output, a node consuming it would make a cycle
+        consumed = {kid for kids in children.values() for kid, _ in kids if kid is not None}
+    return StageGraph(
+        intermediates=tuple(walked.intermediates),
+        weight_nodes=tuple(walked.weight_nodes),
+        leaves=walked.leaves,
+        weight_only_outputs=tuple(
+            i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM
+        ),
+        input_side_outputs=tuple(
+            i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT
+        ),
+        consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
+        input_side=tuple(walked.input_side),
+        nodes=tuple(flags),
+        num_nodes=len(flags),
+    )
+
+
+class _Walked(NamedTuple):
+    """What :func:`_walk` leaves: per node its flags and next edges, and what it classified."""
+
+    flags: dict[Node, int]
+    children: dict[Node, tuple[tuple[Node | None, int], ...]]
+    leaves: dict[Node, torch.Tensor]
+    # Both filled as nodes finish (children first).
+    intermediates: list[Intermediate]
+    weight_nodes: list[Node]
+    input_side: list[Node]
+
+
+def _walk(outputs: Sequence[GradientEdge], inputs: set[Node]) -> _Walked:
+    """One iterative post-order walk that classifies each node as it finishes.
+
+    One function, not one per step: the walk's state would be passed between
+    functions on every node of every B.
+    """
     flags: dict[Node, int] = {}  # set when a node is finished: children first
     leaves: dict[Node, torch.Tensor] = {}
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
-    # Both filled as nodes finish (children first), reversed at the end.
     intermediates: list[Intermediate] = []
     weight_nodes: list[Node] = []
+    input_side: list[Node] = []
 
     for edge in outputs:
         if edge.node in flags:
@@ -130,7 +171,10 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
             stack.pop()
             if state == _REACHES_PARAM:
                 weight_nodes.append(node)
-            elif state == _REACHES_INPUT | _REACHES_PARAM:
+                continue
+            if state & _REACHES_INPUT:
+                input_side.append(node)
+            if state == _REACHES_INPUT | _REACHES_PARAM:
                 weight_edges = []
                 index = 0
                 for kid, input_nr in kids:  # a loop, not a comprehension: no call per node
@@ -140,22 +184,4 @@ def _analyze(outputs: Sequence[GradientEdge], inputs: set[Node]) -> StageGraph:
                 if weight_edges:
                     intermediates.append(Intermediate(node, tuple(weight_edges)))
 
-    intermediates.reverse()
-    weight_nodes.reverse()
-    consumed: set[Node] = set()
-    if len(outputs) > 1:  # with one output, a node consuming it would make a cycle
-        consumed = {kid for kids in children.values() for kid, _ in kids if kid is not None}
-    return StageGraph(
-        intermediates=tuple(intermediates),
-        weight_nodes=tuple(weight_nodes),
-        leaves=leaves,
-        weight_only_outputs=tuple(
-            i for i, e in enumerate(outputs) if flags[e.node] == _REACHES_PARAM
-        ),
-        input_side_outputs=tuple(
-            i for i, e in enumerate(outputs) if flags[e.node] & _REACHES_INPUT
-        ),
-        consumed_outputs=tuple(i for i, e in enumerate(outputs) if e.node in consumed),
-        nodes=tuple(flags),
-        num_nodes=len(flags),
-    )
+    return _Walked(flags, children, leaves, intermediates, weight_nodes, input_side)

@@ -12,12 +12,15 @@ from typing import Any, NoReturn, TypeVar
 import torch
 from torch.autograd.graph import Node
 
+from gradsafe._shared import pending_w
 from gradsafe._shared.gc_pause import collector_paused
+from gradsafe.pipelining._compiled import announce_unsplit
 from gradsafe.pipelining._graph import StageGraph
 from gradsafe.pipelining._torch import (
     DONATED_BUFFERS,
     KeptRecomputed,
     engine_error,
+    first_modified,
     freed_storages,
     is_modified_in_place,
     is_python_node,
@@ -27,13 +30,12 @@ from gradsafe.pipelining._torch import (
     version,
 )
 from gradsafe.pipelining._weight_pass import (
+    Delivery,
     IntermediateFailed,
     Kept,
-    MemoryOf,
     OutputRoot,
     Progress,
     Recorded,
-    deliver_as_ready,
     leaf_grads,
 )
 from gradsafe.wgrad.split import DeferredWeightGrads, open_split_store
@@ -125,6 +127,40 @@ _MODIFIED = (
 )
 
 
+class ReadInRecompute:
+    """The stage's parameters when B ended (held weakly), for W's regions recomputed under ``RECOMPUTE_IN_W``.
+
+    W recomputes a checkpointed region with the parameters' values at W, and a
+    recomputation checks no version: an optimizer, EMA or clamp step run
+    between B and W would give W other activations than the forward's. Every
+    parameter given to B and every leaf (with its FSDP2 counterpart) the
+    stage's graph accumulates into counts: which ones a region reads is not
+    known before W recomputes it. Views share their base's version, and
+    FSDP2's all-gather keeps the unsharded parameter's, so an update of the
+    sharded parameter counts too.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        unique = {id(t): t for t in tensors}.values()
+        self._seen = [(weakref.ref(t), version(t)) for t in unique]
+
+    def modified(self) -> torch.Tensor | None:
+        """A parameter changed in place since B (None: none did)."""
+        return first_modified(self._seen)
+
+
+def _recompute_refusal(param: torch.Tensor) -> str:
+    return (
+        f"W stopped before changing any parameter's gradient: a {describe(param)} of this stage "
+        "was modified in place after B and before W (an optimizer, EMA or clamp step run before "
+        "the last W). Under CheckpointedWeights.RECOMPUTE_IN_W, W recomputes the checkpointed "
+        "regions with the parameters' values at W, so it would compute the weight gradients from "
+        "other activations than the forward's. Step the optimizer (and modify parameters) only "
+        "after every W has run (the schedule's step() returns), or use CheckpointedWeights.IN_W "
+        "(the default: W reads B's recomputation); then redo the microbatch's forward and backward."
+    )
+
+
 def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardError:
     cause = exc.cause
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
@@ -146,6 +182,43 @@ def _intermediate_error(exc: IntermediateFailed, state: str) -> SplitBackwardErr
     )
 
 
+class _LiveReads:
+    """The tensors delayed weight closures read, held weakly, to test each result against.
+
+    A read freed since (its parameter done) is no longer matched: a later result
+    may reuse its address or its ``id``, which :class:`MemoryOf` (addresses and
+    ids, read once) would take for sharing, copying that gradient for nothing.
+    """
+
+    __slots__ = ("_by_pointer",)
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._by_pointer: dict[int | None, list[weakref.ref[torch.Tensor]]] = {}
+        for tensor in tensors:
+            key = _pointer(tensor)
+            self._by_pointer.setdefault(key, []).append(weakref.ref(tensor))
+
+    def shared_by(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is a read still alive or shares its storage."""
+        for key in {_pointer(grad), None}:
+            for ref in self._by_pointer.get(key, ()):
+                tensor = ref()
+                if tensor is grad or (
+                    tensor is not None and key is not None and _pointer(tensor) == key
+                ):
+                    return True
+        return False
+
+
+def _pointer(tensor: torch.Tensor) -> int | None:
+    if tensor.layout is not torch.strided or tensor.numel() == 0:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # subclasses without one storage
+        return None
+
+
 class KernelWeightGrads:
     """The weight parts custom Functions left for W in one B, and each parameter's accumulator.
 
@@ -162,13 +235,15 @@ class KernelWeightGrads:
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return []
-        memory = MemoryOf(deferred.reads)
+        # Read now, while alive: a closure's inputs are freed once its parameter is
+        # done, and a later gradient may then take a freed read's address (or id).
+        reads = _LiveReads(deferred.reads)
         kept: list[Kept] = []
         fused = sum(hasattr(param, "main_grad") for param in deferred.params)
         try:
             for param, grad in deferred.compute():
                 if grad is not None:
-                    kept.append(Kept(grad, self.targets[id(param)], 0, memory.shared_by(grad)))
+                    kept.append(Kept(grad, self.targets[id(param)], 0, reads.shared_by(grad)))
         except BaseException as exc:
             context = (
                 "W stopped while running a custom Function's delayed weight gradient; no .grad "
@@ -216,12 +291,23 @@ def kernels_defer_to_w(
 @contextlib.contextmanager
 def _kernel_scope(graph: StageGraph, nodes: Sequence[Node]) -> Iterator[KernelWeightGrads]:
     kernels = KernelWeightGrads()
-    with open_split_store(nodes) as result:
-        yield kernels
+    # What each custom Function's backward returned (which of its gradients
+    # are tensors): one that records a parameter's weight part must not also
+    # return that parameter's gradient.
+    returned: dict[Node, tuple[bool, ...]] = {}
+    handles = [node.register_hook(functools.partial(_returned, returned, node)) for node in nodes]
+    try:
+        with open_split_store(nodes) as result:
+            yield kernels
+    finally:
+        for handle in handles:
+            handle.remove()
+    announce_unsplit(nodes)
     deferred = result[0]
     if not len(deferred):
         return
     targets = {id(leaf): node for node, leaf in graph.leaves.items()}
+    _refuse_returned_twice(deferred, returned, targets)
     for param in deferred.params:
         if id(param) not in targets:
             deferred.discard()
@@ -233,6 +319,33 @@ def _kernel_scope(graph: StageGraph, nodes: Sequence[Node]) -> Iterator[KernelWe
             )
     kernels.deferred = deferred
     kernels.targets = {id(p): targets[id(p)] for p in deferred.params}
+
+
+def _returned(
+    returned: dict[Node, tuple[bool, ...]], node: Node, grad_inputs: Any, grad_outputs: Any
+) -> None:
+    returned[node] = tuple(g is not None for g in grad_inputs)
+
+
+def _refuse_returned_twice(
+    deferred: DeferredWeightGrads, returned: dict[Node, tuple[bool, ...]], targets: dict[int, Node]
+) -> None:
+    """Refuse a kernel that recorded a parameter's weight part and also returned its gradient (W would add it twice)."""
+    for node, param in deferred.recorded_by:
+        accumulator = targets.get(id(param))
+        given = returned.get(node, ())
+        if accumulator is not None and any(
+            child is accumulator and i < len(given) and given[i]
+            for i, (child, _) in enumerate(node.next_functions)
+        ):
+            deferred.discard()
+            raise SplitBackwardError(
+                f"the custom Function {node.name()} recorded the weight gradient of a "
+                f"{describe(param)} in split_wgrad_store(ctx) and also returned it from backward: "
+                "W would add it a second time. Return None in the parameter's slot when the store "
+                "is not None (wgrad_return(weight, wgrad, ..., delayed=store is not None)). No "
+                "gradient has changed."
+            )
 
 
 def _keeps_type(cause: BaseException) -> bool:
@@ -288,6 +401,7 @@ class WeightGradHandoff:
         group: Any = None,
         kernels: KernelWeightGrads | None = None,
         recomputed: KeptRecomputed | None = None,
+        read_in_recompute: ReadInRecompute | None = None,
     ) -> None:
         self._recorded: tuple[Recorded, ...] = tuple(recorded)
         self._kept: tuple[Kept, ...] = tuple(kept)
@@ -317,6 +431,8 @@ class WeightGradHandoff:
         self._kernels = None if kernels is None or kernels.deferred is None else kernels
         # What B's recomputation kept for W: W refuses if one changed in place since.
         self._recomputed = recomputed
+        # The parameters' versions, where W recomputes regions (RECOMPUTE_IN_W).
+        self._read_in_recompute = read_in_recompute
         self._state = HandoffState.PENDING
         self._failure: str | None = None
         #: Autograd nodes the graph analysis visited (for diagnostics and benchmarks).
@@ -327,6 +443,25 @@ class WeightGradHandoff:
         self.num_kept = len(self._kept)
         #: Bytes of those kept gradients, held from B until W.
         self.kept_bytes = sum(k.grad.numel() * k.grad.element_size() for k in self._kept)
+        # A guarded DDP refuses its reduction while this W is outstanding
+        # (gradsafe.wgrad.guard_ddp_step); an unguarded Megatron one warns once.
+        pending_w.track(self)
+        pending_w.warn_if_unguarded(self._leaves, "stage_backward_input (B)")
+
+    def pending_leaves(self) -> Sequence[torch.Tensor]:
+        """The parameters (and their FSDP2 counterparts) whose W this hand-off has yet to run; empty once used."""
+        if self._state is not HandoffState.PENDING:
+            return ()
+        return [t for owners in self._owners for t in owners]
+
+    def __del__(self) -> None:
+        # Dropped before its W: a guarded DDP counts this microbatch's weight
+        # gradients as lost from the step until zero_grad_buffer() starts another.
+        if getattr(self, "_state", None) is HandoffState.PENDING and self._owners:
+            try:
+                pending_w.report_lost(self.pending_leaves(), "hand-off dropped without W")
+            except (AttributeError, TypeError):  # interpreter shutdown: module globals are gone
+                pass
 
     @property
     def state(self) -> HandoffState:
@@ -374,7 +509,7 @@ class WeightGradHandoff:
         progress = Progress()
         try:
             self._validate(weights)
-            self._pass(functools.partial(deliver_as_ready, progress=progress))
+            self._pass(lambda *parts: Delivery(*parts, progress=progress).run())
         except BaseException as exc:
             self._fail(exc, progress)
         if not retain_graph:
@@ -408,11 +543,11 @@ class WeightGradHandoff:
         """Run ``weight_pass`` on what B recorded; the hand-off gives it all up first."""
         # W takes the recorded nodes over and drops each once used.
         recorded, self._recorded = list(self._recorded), ()
-        kept, self._kept = self._kept, ()
+        kept, self._kept = list(self._kept), ()
         group, self._group = self._group, None
         kernels, self._kernels = self._kernels, None
         if kernels is not None:
-            kept = (*kept, *kernels.as_kept())
+            kept += kernels.as_kept()
         with collector_paused(), contextlib.nullcontext() if group is None else group:
             return weight_pass(
                 recorded,
@@ -472,21 +607,8 @@ class WeightGradHandoff:
     def _validate(self, weights: Sequence[torch.Tensor]) -> None:
         """Everything W can check without computing a gradient: nothing has changed yet."""
         self._check_weights(weights)
+        self._refuse_values_changed_since_b()
         nodes = (*(rec.node for rec in self._recorded), *self._weight_nodes)
-        modified = None
-        if self._kernels is not None and self._kernels.deferred is not None:
-            modified = self._kernels.deferred.modified_read()
-        if modified is not None:
-            raise SplitBackwardError(
-                f"W stopped before changing any parameter's gradient: {modified}, so W would "
-                "compute with other values than a fused backward. Leave it unchanged until W has "
-                "run (or have the kernel read a copy); then redo the microbatch's forward and "
-                "backward."
-            )
-        if self._recomputed is not None and self._recomputed.modified() is not None:
-            raise SplitBackwardError(
-                f"W stopped before changing any parameter's gradient: a checkpointed op {_MODIFIED}"
-            )
         changed = self._gradient_changed_since_b()
         if changed is not None:
             raise SplitBackwardError(
@@ -528,6 +650,28 @@ class WeightGradHandoff:
                         "microbatch's forward and backward."
                     )
 
+    def _refuse_values_changed_since_b(self) -> None:
+        """Refuse a tensor W reads other than through a saved tensor's version check, changed in place since B."""
+        modified = None
+        if self._kernels is not None and self._kernels.deferred is not None:
+            modified = self._kernels.deferred.modified_read()
+        if modified is not None:
+            raise SplitBackwardError(
+                f"W stopped before changing any parameter's gradient: {modified}, so W would "
+                "compute with other values than a fused backward. Leave it unchanged until W has "
+                "run (or have the kernel read a copy); then redo the microbatch's forward and "
+                "backward."
+            )
+        if self._recomputed is not None and self._recomputed.modified() is not None:
+            raise SplitBackwardError(
+                f"W stopped before changing any parameter's gradient: a checkpointed op {_MODIFIED}"
+            )
+        changed_param = None
+        if self._read_in_recompute is not None:
+            changed_param = self._read_in_recompute.modified()
+        if changed_param is not None:
+            raise SplitBackwardError(_recompute_refusal(changed_param))
+
     def _gradient_changed_since_b(self) -> str | None:
         """Where a gradient W starts from was modified in place since B saw it (None: nowhere)."""
         for rec in self._recorded:
@@ -561,12 +705,15 @@ class WeightGradHandoff:
             )
 
     def _finish(self, state: HandoffState, failure: str | None = None) -> None:
+        if state is HandoffState.FAILED and self._state is HandoffState.PENDING and self._owners:
+            pending_w.report_lost(self.pending_leaves(), "W failed")
         self._state = state
         self._failure = None if failure is None else failure.strip().splitlines()[0][:200]
         self._recorded = ()
         self._kept = ()
         self._group = None
         self._recomputed = None
+        self._read_in_recompute = None
         if self._kernels is not None:
             self._kernels.discard()
             self._kernels = None

@@ -31,6 +31,9 @@ rank share once, after the last of them (hazard H7, see
 :mod:`gradsafe.pipelining.schedule._scaling`): a multi-stage schedule registers what
 its stages share when built and as each ``step`` starts, and each stage's
 ``scale_grads`` asks.
+
+:data:`PROBES` are the behaviours of torch the split relies on, with what
+gradsafe does where one differs; ``gradsafe doctor`` runs them.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gradsafe.checks import Probe
 from gradsafe.patching import AttrTarget, Skip, Target
-from gradsafe.pipelining import _backward, _torch
+from gradsafe.pipelining import _backward, _compiled, _torch
 from gradsafe.pipelining.schedule import _inference, _scaling, _stage
 
-__all__ = ["plan"]
+__all__ = ["PROBES", "plan"]
 
 _DEFINED_IN = "torch.distributed.pipelining._backward"
 _CALLED_FROM = "torch.distributed.pipelining.stage"
@@ -68,6 +72,30 @@ _FORWARD_CHUNK = "forward_one_chunk"
 _SCALE_GRADS = "scale_grads"
 # The stage must call these (zero-bubble schedules go through them).
 _REQUIRED_CALLS = ("stage_backward_input", "stage_backward_weight")
+
+
+PROBES: tuple[Probe, ...] = (
+    Probe(
+        "split backward's autograd features",
+        "pipelining",
+        "the pipelining patch is skipped (torch's own split runs) and gradsafe's "
+        "stage_backward_input refuses, naming the feature",
+        _torch.missing_feature,
+    ),
+    Probe(
+        "IN_W: checkpoint holders unpack twice from one recomputation",
+        "pipelining",
+        "CheckpointedWeights.IN_W runs as IN_B (exact; B computes checkpointed ops' weight "
+        "gradients), warning once",
+        _torch.unpack_twice_unsupported,
+    ),
+    Probe(
+        "RECOMPUTE_IN_W: a new checkpoint group recomputes alike",
+        "pipelining",
+        "CheckpointedWeights.RECOMPUTE_IN_W runs as IN_B (exact), warning once",
+        _torch.recompute_alike_unsupported,
+    ),
+)
 
 
 def _call_site_mismatch(stage: Any, backward: Any) -> str | None:
@@ -135,7 +163,35 @@ def plan() -> Sequence[Target] | Skip:
                 _stage.merge_without_view_graphs(forward_chunk),
             )
         )
-    return [*targets, *_inference_targets(stage, schedules), *_scaling_targets(stage, schedules)]
+    return [
+        *targets,
+        *_inference_targets(stage, schedules),
+        *_scaling_targets(stage, schedules),
+        *_compiled_targets(schedules),
+    ]
+
+
+def _compiled_targets(schedules: Any) -> list[Target]:
+    """Split compiled regions' backwards (B: input gradients, W: weight gradients), where the
+    installed AOTAutograd has what the split wraps; then zero-bubble schedules take compiled stages."""
+    import importlib
+
+    aot = importlib.import_module(_torch.AOT_MODULE)
+    stage2 = getattr(aot, _torch.STAGE2, None)
+    if stage2 is None or not all(hasattr(aot, name) for name in _torch.CACHE_SWITCHES):
+        return []  # compiled regions run whole in B, announced there
+    targets: list[Target] = [
+        AttrTarget(_torch.AOT_MODULE, _torch.STAGE2, _compiled.splitting_stage2(stage2))
+    ]
+    targets += [
+        AttrTarget(_torch.AOT_MODULE, name, _compiled.no_autograd_cache)
+        for name in _torch.CACHE_SWITCHES
+    ]
+    module, name = _torch.COMPILE_CHECK
+    check = getattr(schedules, name, None)
+    if check is not None:
+        targets.append(AttrTarget(module, name, _compiled.zero_bubble_compile_check(check)))
+    return targets
 
 
 def _inference_targets(stage: Any, schedules: Any) -> list[Target]:

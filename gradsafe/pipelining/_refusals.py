@@ -27,6 +27,7 @@ from gradsafe.pipelining._torch import (
     donates_buffers,
     engine_error,
     fsdp_counterparts,
+    fsdp_reducing_in_backward,
     has_other_post_hooks,
     is_python_kind,
     is_reentrant_checkpoint,
@@ -41,6 +42,7 @@ __all__ = [
     "expect_handoff",
     "leaf_owners",
     "refuse_engine_error",
+    "refuse_fsdp_reduction_in_b",
     "refuse_inputs",
     "refuse_other_post_hooks",
     "refuse_post_hooks_added_in_b",
@@ -304,6 +306,26 @@ def leaf_owners(
             )
         owners.append((leaf, other))
     return owners
+
+
+def refuse_fsdp_reduction_in_b(leaves: Iterable[torch.Tensor]) -> None:
+    """Refuse a stage whose FSDP2 modules reduce gradients in their backward hook, which fires in B.
+
+    FSDP2 reduce-scatters (and may reshard) when the gradient reaches a module's
+    inputs: in B, before W computes the weight gradients, which would then be
+    left on the unsharded parameters and never reduced (a silent wrong gradient).
+    """
+    param = fsdp_reducing_in_backward({id(leaf) for leaf in leaves})
+    if param is None:
+        return
+    raise SplitBackwardError(
+        f"the stage's FSDP2 module that owns a {describe(param)} reduces its gradients in its "
+        "backward hook (requires_gradient_sync is on), which fires in B, before W computes the "
+        "weight gradients: they would never be reduced. Call "
+        "set_requires_gradient_sync(False) and set_reshard_after_backward(False) on the stage's "
+        "FSDP2 modules before B (torch's PipelineStage does), and reduce after the last W (the "
+        "stage's post-backward finalization does). No gradient has changed."
+    )
 
 
 def expect_handoff(param_groups: object) -> WeightGradHandoff:

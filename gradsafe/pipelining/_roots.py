@@ -48,19 +48,24 @@ def collect_roots(output: Any, grad: Any) -> list[Root]:
     output gradients) if any root without a gradient is a ``GradientEdge``,
     whatever its position among the outputs.
     """
-    roots: list[Root] = []
-    implied: list[_Implied] = []
-    _collect_roots(output, grad, "", roots, grad is None, implied)
+    collector = _Collector(implied=grad is None)
+    collector.visit(output, grad, "")
+    implied = collector.implied_roots
     refused = [i for i in implied if i.refused]
     if refused:
         paths = ", ".join(i.path for i in refused)
-        error = GradientEdgeRootError if any(i.edge for i in implied) else SplitBackwardError
-        raise error(
+        message = (
             f"stage output(s) {paths} require grad but their output gradient is None, and a "
             "gradient can only be implied for a single-element output (a loss). Pass their "
             "gradients, or zero tensors where they get none."
         )
-    return roots
+        if any(i.edge for i in implied):
+            # torch's words first (2.15's B; its own tests match them).
+            raise GradientEdgeRootError(
+                "A GradientEdge root requires output gradients from the next stage: " + message
+            )
+        raise SplitBackwardError(message)
+    return collector.roots
 
 
 class _Implied(NamedTuple):
@@ -71,36 +76,43 @@ class _Implied(NamedTuple):
     refused: bool
 
 
-def _implied_grad(
-    shape: torch.Size,
-    path: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    implied: list[_Implied],
-    edge: bool,
-) -> torch.Tensor | None:
-    """Ones for a single-element root (a loss), else None; either way noted in ``implied``."""
-    refused = math.prod(shape) != 1
-    implied.append(_Implied(path, edge, refused))
-    return None if refused else torch.ones(shape, dtype=dtype, device=device)
+class _Collector:
+    """One :func:`collect_roots` call: the roots paired so far, and those whose gradient is None.
 
-
-def _collect_roots(
-    output: Any,
-    grad: Any,
-    path: str,
-    roots: list[Root],
-    implied: bool,
-    implied_roots: list[_Implied],
-) -> None:
-    """Pair every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (same nesting).
-
-    A None gradient for a tuple/list/dict means no gradient flows there (as in
-    torch's ``stage_backward``), unless ``implied`` (a loss: output_grads=None).
+    :meth:`visit` holds the pairing rule, one method per kind of output.
     """
-    # Over 60 lines on purpose: one branch per kind of output, so the whole
-    # pairing rule (and every refusal it makes) reads in one place.
-    if isinstance(output, torch.Tensor):
+
+    __slots__ = ("implied", "implied_roots", "roots")
+
+    def __init__(self, *, implied: bool) -> None:
+        #: A loss (output_grads=None): a None gradient for a tuple/list/dict is implied too.
+        self.implied = implied
+        self.roots: list[Root] = []
+        self.implied_roots: list[_Implied] = []
+
+    def visit(self, output: Any, grad: Any, path: str) -> None:
+        """Pair every tensor / GradientEdge in ``output`` with its gradient in ``grad`` (same nesting).
+
+        A None gradient for a tuple/list/dict means no gradient flows there (as in
+        torch's ``stage_backward``), unless ``implied`` (a loss: output_grads=None).
+        """
+        if isinstance(output, torch.Tensor):
+            self._tensor(output, grad, path)
+        elif isinstance(output, GradientEdge):
+            self._edge(output, grad, path)
+        elif isinstance(output, (tuple, list, dict)) and grad is None and not self.implied:
+            return
+        elif isinstance(output, (tuple, list)):
+            self._sequence(output, grad, path)
+        elif isinstance(output, dict):
+            self._dict(output, grad, path)
+        elif not isinstance(output, _INERT):
+            raise SplitBackwardError(
+                f"stage output {path} is a {type(output).__name__}: B takes Tensors, GradientEdges, "
+                "and tuples/lists/dicts of them (None and Python scalars are ignored)."
+            )
+
+    def _tensor(self, output: torch.Tensor, grad: Any, path: str) -> None:
         if grad is not None and not isinstance(grad, torch.Tensor):
             raise GradientTypeError(
                 f"the output gradient for stage output {path} is a {type(grad).__name__}; "
@@ -114,9 +126,7 @@ def _collect_roots(
                 )
             return  # an output without a graph carries no gradient
         if grad is None:
-            grad = _implied_grad(
-                output.shape, path, output.dtype, output.device, implied_roots, False
-            )
+            grad = self._implied_grad(output.shape, path, output.dtype, output.device, False)
             if grad is None:
                 return
         elif grad.shape != output.shape:
@@ -124,8 +134,9 @@ def _collect_roots(
                 f"stage output {path} has shape {tuple(output.shape)} but its output gradient "
                 f"has shape {tuple(grad.shape)}."
             )
-        roots.append(Root(get_gradient_edge(output), grad, output))
-    elif isinstance(output, GradientEdge):
+        self.roots.append(Root(get_gradient_edge(output), grad, output))
+
+    def _edge(self, output: GradientEdge, grad: Any, path: str) -> None:
         if grad is not None and not isinstance(grad, torch.Tensor):
             raise GradientTypeError(
                 f"the output gradient for GradientEdge {path} is a {type(grad).__name__}; "
@@ -133,7 +144,7 @@ def _collect_roots(
             )
         shape, dtype, device = input_meta(output.node, output.output_nr)
         if grad is None:
-            grad = _implied_grad(shape, path, dtype, device, implied_roots, True)
+            grad = self._implied_grad(shape, path, dtype, device, True)
             if grad is None:
                 return
         elif grad.shape != shape:
@@ -141,10 +152,9 @@ def _collect_roots(
                 f"GradientEdge {path} expects a gradient of shape {tuple(shape)}, got "
                 f"{tuple(grad.shape)}."
             )
-        roots.append(Root(output, grad, None))
-    elif isinstance(output, (tuple, list, dict)) and grad is None and not implied:
-        return
-    elif isinstance(output, (tuple, list)):
+        self.roots.append(Root(output, grad, None))
+
+    def _sequence(self, output: tuple[Any, ...] | list[Any], grad: Any, path: str) -> None:
         if grad is not None and (not isinstance(grad, (tuple, list)) or len(grad) != len(output)):
             raise SplitBackwardError(
                 f"stage output {path} is a {type(output).__name__} of {len(output)} but its output "
@@ -152,34 +162,24 @@ def _collect_roots(
                 "the same way, or output_grads=None for a loss."
             )
         for index, item in enumerate(output):
-            _collect_roots(
-                item,
-                None if grad is None else grad[index],
-                f"{path}[{index}]",
-                roots,
-                implied,
-                implied_roots,
-            )
-    elif isinstance(output, dict):
+            self.visit(item, None if grad is None else grad[index], f"{path}[{index}]")
+
+    def _dict(self, output: dict[Any, Any], grad: Any, path: str) -> None:
         if grad is not None and (not isinstance(grad, dict) or set(grad) != set(output)):
             raise SplitBackwardError(
                 f"stage output {path} is a dict with keys {sorted(map(str, output))} but its output "
                 f"gradient is {_shape_of(grad)}: pass a dict with the same keys."
             )
         for key, item in output.items():
-            _collect_roots(
-                item,
-                None if grad is None else grad[key],
-                f"{path}[{key!r}]",
-                roots,
-                implied,
-                implied_roots,
-            )
-    elif not isinstance(output, _INERT):
-        raise SplitBackwardError(
-            f"stage output {path} is a {type(output).__name__}: B takes Tensors, GradientEdges, "
-            "and tuples/lists/dicts of them (None and Python scalars are ignored)."
-        )
+            self.visit(item, None if grad is None else grad[key], f"{path}[{key!r}]")
+
+    def _implied_grad(
+        self, shape: torch.Size, path: str, dtype: torch.dtype, device: torch.device, edge: bool
+    ) -> torch.Tensor | None:
+        """Ones for a single-element root (a loss), else None; either way noted in ``implied_roots``."""
+        refused = math.prod(shape) != 1
+        self.implied_roots.append(_Implied(path, edge, refused))
+        return None if refused else torch.ones(shape, dtype=dtype, device=device)
 
 
 def _shape_of(value: Any) -> str:

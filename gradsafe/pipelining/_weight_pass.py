@@ -21,7 +21,7 @@ are needed (``task_should_compute_output``), so an intermediate skips its
 input-gradient GEMM. What the calls send is summed per edge the way the
 engine's input buffers sum (:func:`add_grad`).
 
-:func:`deliver_as_ready` hands each component, the moment it is complete, to
+:class:`Delivery` hands each component, the moment it is complete, to
 one engine backward from its edges: every weight-only node runs once with its
 summed gradient and every accumulator once with its complete gradient, so
 hooks on weight-only nodes and tensors, tensor hooks on the leaves,
@@ -66,6 +66,7 @@ __all__ = [
     "EdgeKey",
     "GradSums",
     "IntermediateFailed",
+    "Delivery",
     "Kept",
     "MemoryOf",
     "OutputRoot",
@@ -73,7 +74,6 @@ __all__ = [
     "Recorded",
     "WeightEdge",
     "add_grad",
-    "deliver_as_ready",
     "leaf_grads",
 ]
 
@@ -136,7 +136,7 @@ class IntermediateFailed(Exception):
 
 @dataclasses.dataclass
 class Progress:
-    """How far :func:`deliver_as_ready` got; read it after an exception."""
+    """How far a :class:`Delivery` got; read it after an exception."""
 
     #: Leaves W delivers into.
     total: int = 0
@@ -219,9 +219,10 @@ def add_grad(
 class MemoryOf:
     """The memory of a set of tensors, to test many others against at once (:meth:`shared_by`).
 
-    Built once over B's returned and recorded gradients, then asked once per
-    kept or output gradient: linear in both, where :func:`_shares_memory` per
-    gradient would be their product (a checkpointed stage keeps hundreds).
+    Built once over a set (B's returned and recorded gradients; what arrived
+    at a node W calls), then asked once per gradient tested: linear in both,
+    where testing each gradient against each tensor would be their product (a
+    checkpointed stage keeps hundreds).
     """
 
     __slots__ = ("_ids", "_pointers")
@@ -235,22 +236,6 @@ class MemoryOf:
         if id(grad) in self._ids:
             return True
         return bool(self._pointers) and _storage_pointer(grad) in self._pointers
-
-
-def _shares_memory(grad: torch.Tensor | None, others: Sequence[torch.Tensor]) -> bool:
-    if grad is None or not others:
-        return False
-    # Loops, not any() over generators: this runs for every edge of every W.
-    for other in others:
-        if grad is other:
-            return True
-    pointer = _storage_pointer(grad)
-    if pointer is None:
-        return False
-    for other in others:
-        if _storage_pointer(other) == pointer:
-            return True
-    return False
 
 
 def _storage_pointer(tensor: torch.Tensor) -> int | None:
@@ -341,10 +326,10 @@ def _call_intermediates(
                 # A node may pass on what arrived at it (AddBackward, views):
                 # that gradient also went to the input side in B, and may be
                 # the input gradient B returned.
-                arrived = [g for g in grads if g is not None]
+                arrived = MemoryOf([g for g in grads if g is not None])
                 for output_index, target, target_nr in edges:
                     out = outputs[output_index]
-                    add(target, target_nr, out, _shares_memory(out, arrived))
+                    add(target, target_nr, out, out is not None and arrived.shared_by(out))
                     del out
                 # Nothing of this call outlives it: its gradients are freed once delivered.
                 del node, grads, edges, outputs, arrived
@@ -497,68 +482,209 @@ def _spread_any_hooks(
     return list(spread.values())
 
 
-def deliver_as_ready(
-    recorded: list[Recorded],
-    kept: Sequence[Kept],
-    output_roots: Sequence[OutputRoot],
-    weight_nodes: Sequence[Node],
-    leaves: Sequence[Node],
-    leaf_tensors: Sequence[torch.Tensor],
-    progress: Progress,
-) -> None:
-    """Compute and accumulate every leaf's gradient, each component as soon as it is complete.
+def _add_kept(kept: list[Kept], add: Callable[[Node, int, torch.Tensor, bool], None]) -> None:
+    """Add each kept gradient to its sum, then empty ``kept``: the sums hold them alone, so
+    AccumulateGrad adopts one as ``.grad`` instead of copying it (a function: no loop
+    variable outlives it)."""
+    for grad, target, target_nr, aliased in kept:
+        add(target, target_nr, grad, aliased)
+    kept.clear()
 
-    Whatever stops it propagates (a direct call's error as
-    :class:`IntermediateFailed`; a hook's exception or torch's error from a
-    weight-only node or accumulator as is); ``progress`` then says how many
-    leaves already hold their gradient.
+
+class Delivery:
+    """One W's delivery pass: every leaf's gradient computed and accumulated, each component
+    as soon as it is complete (:meth:`run`).
+
+    The steps are its methods, in the order a W runs them: :meth:`add` sums
+    what arrives per edge, :meth:`after_call` counts down a component's
+    senders, :meth:`deliver_or_defer` delivers a complete component now or
+    at the end, :meth:`deliver` runs one engine backward for some. The state
+    they share (sums, pending counts, the deferred list) is this pass's alone.
     """
-    # long: W's whole delivery schedule in one place. The nested steps (add,
-    # deliver, deliver_or_defer, after_call) share this pass's per-component
-    # state (sums, pending counts, the deferred list), which closures keep
-    # local to one W; read top to bottom, it is the order a W runs in.
-    progress.total = len(leaves)
-    component = _components(weight_nodes, leaves, leaf_tensors)
-    leaf_of = dict(zip(leaves, leaf_tensors))
-    members: dict[Node, list[Node]] = {}
-    for node in leaves:
-        members.setdefault(component[node], []).append(node)
-    # Per intermediate, the components it sends into; per component, how many
-    # intermediates have yet to send.
-    sends = [{component[target] for _, target, _ in rec.weight_edges} for rec in recorded]
-    pending: dict[Node, int] = {}
-    for targets in sends:
-        for c in targets:
-            pending[c] = pending.get(c, 0) + 1
-    sums = GradSums()
-    edges_of: dict[Node, list[EdgeKey]] = {}
 
-    def add(node: Node, nr: int, grad: torch.Tensor | None, aliased: bool = False) -> None:
-        if add_grad(sums, node, nr, grad, aliased=aliased):
-            edges_of.setdefault(component[node], []).append((node, nr))
+    __slots__ = (
+        "anchor",
+        "component",
+        "deferred",
+        "edges_of",
+        "kept",
+        "leaf_of",
+        "leaf_tensors",
+        "leaves",
+        "marker",
+        "marker_node",
+        "members",
+        "output_roots",
+        "pending",
+        "progress",
+        "recorded",
+        "sends",
+        "spread",
+        "sums",
+        "weight_nodes",
+    )
 
-    deferred: list[Node] = []
-    anchor = _ANCHOR
-    # A mode-"any" multi-grad hook over several components fires in the first
-    # delivery only: every delivery is rooted at this pass's marker too.
-    spread = _spread_any_hooks(component, leaves, leaf_tensors)
-    marker = torch.zeros((), requires_grad=True) if spread else None
-    marker_node = None if marker is None else get_gradient_edge(marker).node
+    def __init__(
+        self,
+        recorded: list[Recorded],
+        kept: list[Kept],
+        output_roots: Sequence[OutputRoot],
+        weight_nodes: Sequence[Node],
+        leaves: Sequence[Node],
+        leaf_tensors: Sequence[torch.Tensor],
+        *,
+        progress: Progress,
+    ) -> None:
+        self.recorded, self.kept, self.output_roots = recorded, kept, output_roots
+        self.weight_nodes, self.leaves, self.leaf_tensors = weight_nodes, leaves, leaf_tensors
+        self.progress = progress
+        progress.total = len(leaves)
+        component = self.component = _components(weight_nodes, leaves, leaf_tensors)
+        self.leaf_of = dict(zip(leaves, leaf_tensors))
+        members: dict[Node, list[Node]] = {}
+        for node in leaves:
+            members.setdefault(component[node], []).append(node)
+        self.members = members
+        # Per intermediate, the components it sends into; per component, how many
+        # intermediates have yet to send.
+        sends = [{component[target] for _, target, _ in rec.weight_edges} for rec in recorded]
+        pending: dict[Node, int] = {}
+        for targets in sends:
+            for c in targets:
+                pending[c] = pending.get(c, 0) + 1
+        self.sends, self.pending = sends, pending
+        self.sums = GradSums()
+        self.edges_of: dict[Node, list[EdgeKey]] = {}
+        self.deferred: list[Node] = []
+        self.anchor = _ANCHOR
+        # A mode-"any" multi-grad hook over several components fires in the first
+        # delivery only: every delivery is rooted at this pass's marker too.
+        self.spread = _spread_any_hooks(component, leaves, leaf_tensors)
+        self.marker = torch.zeros((), requires_grad=True) if self.spread else None
+        self.marker_node = None if self.marker is None else get_gradient_edge(self.marker).node
 
-    def deliver(ready: Sequence[Node]) -> None:
+    def run(self) -> None:
+        """Deliver every leaf's gradient, consuming ``kept`` (emptied once its gradients are summed).
+
+        Whatever stops it propagates (a direct call's error as
+        :class:`IntermediateFailed`; a hook's exception or torch's error from a
+        weight-only node or accumulator as is); ``progress`` then says how many
+        leaves already hold their gradient.
+        """
+        marker_node, add = self.marker_node, self.add
+        # End-of-backward callbacks that hooks queue run, in a fused backward,
+        # after every accumulator: W holds them through each component's pass and
+        # queues them in one last pass.
+        with (
+            deferred_callbacks({*self.weight_nodes, *self.leaves}) as held,
+            fired_once_across(self.spread, marker_node)
+            if marker_node is not None
+            else nullcontext(),
+        ):
+            for node, nr, grad, aliased in self.output_roots:
+                add(node, nr, grad, aliased)
+            _add_kept(self.kept, add)
+            # What needs no intermediate goes first: kept gradients are freed early.
+            first = [c for c in self.members if c not in self.pending]
+            if first:
+                self.deliver_or_defer(first)
+            if self.recorded:
+                _call_intermediates(
+                    self.recorded, add, self.weight_nodes, self.leaves, self.after_call
+                )
+            if self.deferred:
+                self.deliver(self.deferred)
+        if held:
+            with torch.enable_grad():
+                root = apply_function(_Deliver, self.anchor.leaf, [], held)
+            run_backward([root], [self.anchor.one])
+
+    def add(self, node: Node, nr: int, grad: torch.Tensor | None, aliased: bool = False) -> None:
+        """Sum ``grad`` into what edge ``(node, nr)`` has received (:func:`add_grad`)."""
+        if add_grad(self.sums, node, nr, grad, aliased=aliased):
+            self.edges_of.setdefault(self.component[node], []).append((node, nr))
+
+    def after_call(self, index: int) -> None:
+        """The ``index``-th intermediate was called: deliver the components it completed."""
+        ready = []
+        sends, pending = self.sends, self.pending
+        for c in sends[index]:
+            left = pending[c] - 1
+            pending[c] = left
+            if left == 0:
+                ready.append(c)
+        sends[index] = set()
+        if ready:
+            self.deliver_or_defer(ready)
+
+    def deliver_or_defer(self, ready: Sequence[Node]) -> None:
+        """Deliver the ``ready`` components now, or hold them for the last delivery."""
+        # A gradient delivered to a `.grad` that is None becomes that `.grad`:
+        # holding it until the end costs no memory, and one engine backward
+        # for all such components costs less than one each. One added into a
+        # `.grad` already held is a second buffer: delivered at once. So is
+        # every component under a spread mode-"any" hook: it fires on the
+        # first gradient, as in a fused backward.
+        if self.marker_node is not None:
+            self.deliver(ready)
+            return
+        members, leaf_of = self.members, self.leaf_of
+        for c in ready:  # loops, not any() over a generator: once per intermediate
+            for leaf in members[c]:
+                if leaf_of[leaf].grad is not None:
+                    self.deliver(ready)
+                    return
+        self.deferred.extend(ready)
+
+    def deliver(self, ready: Sequence[Node]) -> None:
+        """One engine backward that runs the ``ready`` components' nodes and accumulators."""
+        roots, grads, to_leaves, leaves_now = self._gather(ready)
+        progress, leaf_of = self.progress, self.leaf_of
+        progress.under_way = len(leaves_now)
+        self._root_leaves(roots, grads, to_leaves, leaves_now)
+        del to_leaves
+        if self.marker_node is not None:
+            roots.append(GradientEdge(self.marker_node, 0))
+            grads.append(torch.zeros(()))  # the marker's, accumulated and never read
+        # The graph is retained: a weight-only part may be shared with a later
+        # backward (e.g. a weight transform computed once per step). While the
+        # engine runs these leaves' hooks, no B swaps them out: see `delivering`.
+        with delivering([leaf_of[n] for n in leaves_now]):
+            run_backward(roots, grads)
+        progress.delivered += progress.under_way
+        progress.under_way = 0
+
+    def _gather(
+        self, ready: Sequence[Node]
+    ) -> tuple[
+        list[torch.Tensor | GradientEdge], list[torch.Tensor], list[torch.Tensor | None], list[Node]
+    ]:
+        """The ``ready`` components' summed gradients, taken out of :attr:`sums`: the roots into
+        their weight-only nodes with theirs, and each leaf's (None where nothing arrived)."""
         roots: list[torch.Tensor | GradientEdge] = []
         grads: list[torch.Tensor] = []
         to_leaves: list[torch.Tensor | None] = []
         leaves_now: list[Node] = []
+        sums, edges_of, leaf_of = self.sums, self.edges_of, self.leaf_of
         for c in ready:
             for key in edges_of.pop(c, ()):
                 if key[0] not in leaf_of:
                     roots.append(GradientEdge(*key))
                     grads.append(sums.pop(key))
-            for leaf in members[c]:
+            for leaf in self.members[c]:
                 to_leaves.append(sums.pop((leaf, 0), None))
                 leaves_now.append(leaf)
-        progress.under_way = len(leaves_now)
+        return roots, grads, to_leaves, leaves_now
+
+    def _root_leaves(
+        self,
+        roots: list[torch.Tensor | GradientEdge],
+        grads: list[torch.Tensor],
+        to_leaves: list[torch.Tensor | None],
+        leaves_now: list[Node],
+    ) -> None:
+        """Add the leaves' gradients to ``roots``: straight, or through a helper node."""
+        leaf_of = self.leaf_of
         # Every leaf gets its accumulator run, with None if nothing arrived: a
         # fused backward runs it too, and its hooks fire.
         reached = {child for edge in roots for child, _ in edge.node.next_functions}  # type: ignore[union-attr]
@@ -575,6 +701,7 @@ def deliver_as_ready(
             # Through a helper node: the engine's root keeps its gradients
             # referenced, which would keep AccumulateGrad from adopting one as
             # `.grad` (a copy, and a second gradient's worth of memory).
+            anchor = self.anchor
             with torch.enable_grad(), ACCUMULATOR_READS:
                 roots.append(
                     apply_function(
@@ -582,66 +709,3 @@ def deliver_as_ready(
                     )
                 )
             grads.append(anchor.one)
-        del to_leaves
-        if marker_node is not None:
-            roots.append(GradientEdge(marker_node, 0))
-            grads.append(torch.zeros(()))  # the marker's, accumulated and never read
-        # The graph is retained: a weight-only part may be shared with a later
-        # backward (e.g. a weight transform computed once per step). While the
-        # engine runs these leaves' hooks, no B swaps them out: see `delivering`.
-        with delivering([leaf_of[n] for n in leaves_now]):
-            run_backward(roots, grads)
-        progress.delivered += progress.under_way
-        progress.under_way = 0
-
-    def deliver_or_defer(ready: Sequence[Node]) -> None:
-        # A gradient delivered to a `.grad` that is None becomes that `.grad`:
-        # holding it until the end costs no memory, and one engine backward
-        # for all such components costs less than one each. One added into a
-        # `.grad` already held is a second buffer: delivered at once. So is
-        # every component under a spread mode-"any" hook: it fires on the
-        # first gradient, as in a fused backward.
-        if marker_node is not None:
-            deliver(ready)
-            return
-        for c in ready:  # loops, not any() over a generator: once per intermediate
-            for leaf in members[c]:
-                if leaf_of[leaf].grad is not None:
-                    deliver(ready)
-                    return
-        deferred.extend(ready)
-
-    def after_call(index: int) -> None:
-        ready = []
-        for c in sends[index]:
-            left = pending[c] - 1
-            pending[c] = left
-            if left == 0:
-                ready.append(c)
-        sends[index] = set()
-        if ready:
-            deliver_or_defer(ready)
-
-    # End-of-backward callbacks that hooks queue run, in a fused backward,
-    # after every accumulator: W holds them through each component's pass and
-    # queues them in one last pass.
-    with (
-        deferred_callbacks({*weight_nodes, *leaves}) as held,
-        fired_once_across(spread, marker_node) if marker_node is not None else nullcontext(),
-    ):
-        for node, nr, grad, aliased in output_roots:
-            add(node, nr, grad, aliased)
-        for grad, target, target_nr, aliased in kept:
-            add(target, target_nr, grad, aliased)
-        # What needs no intermediate goes first: kept gradients are freed early.
-        first = [c for c in members if c not in pending]
-        if first:
-            deliver_or_defer(first)
-        if recorded:
-            _call_intermediates(recorded, add, weight_nodes, leaves, after_call)
-        if deferred:
-            deliver(deferred)
-    if held:
-        with torch.enable_grad():
-            root = apply_function(_Deliver, anchor.leaf, [], held)
-        run_backward([root], [anchor.one])

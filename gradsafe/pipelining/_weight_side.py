@@ -21,6 +21,8 @@ to the leaves' totals and runs no node of ``K`` again.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,8 +39,10 @@ from gradsafe.pipelining._torch import (
     exec_group,
     has_hooked_saved,
     has_other_post_hooks,
+    recompute_alike_unsupported,
     recomputes_alike,
     runs_whole,
+    unpack_twice_unsupported,
 )
 
 __all__ = ["entered", "group_for", "weight_parts_in_b"]
@@ -100,6 +104,8 @@ def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[tuple[Any, 
         # A node post hook sees input and weight gradients together only if B
         # computes both (a split W call would be refused for it).
         return None
+    if _falls_back(policy):
+        return None
     # None for saved tensors other hooks packed (offloading, a user's own):
     # their unpack cannot be told to run twice, nor their region recomputed.
     holders = checkpoint_holders(node)
@@ -108,6 +114,33 @@ def _holders_for_w(node: Node, policy: CheckpointedWeights) -> tuple[tuple[Any, 
     # RECOMPUTE_IN_W: W unpacks in a group of its own, so the region
     # recomputes there; only where that gives B's tensors again.
     return () if recomputes_alike(node) else None
+
+
+def _falls_back(policy: CheckpointedWeights) -> bool:
+    """Whether ``policy`` runs as ``IN_B`` on this torch: its checkpoint behaviour differs here."""
+    probe = (
+        unpack_twice_unsupported
+        if policy is CheckpointedWeights.IN_W
+        else recompute_alike_unsupported
+    )
+    reason = probe()
+    if reason is not None:
+        _warn_fallback(policy, reason)
+    return reason is not None
+
+
+@functools.cache
+def _warn_fallback(policy: CheckpointedWeights, reason: str) -> None:
+    # Once per process and policy: every B of every stage takes the same path.
+    warnings.warn(
+        f"gradsafe: CheckpointedWeights.{policy.name} falls back to IN_B on torch "
+        f"{torch.__version__}: {reason}. Gradients stay exact (B computes the weight gradients "
+        "of checkpointed ops and W delivers them); memory between B and W holds those weight "
+        "gradients instead. `gradsafe doctor` lists the probes; report this with your torch "
+        "version.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _has_post_hooks(node: Node) -> bool:

@@ -120,8 +120,9 @@ def verify(
 
     Raises:
         ValueError: a copy would still reach one of the caller's tensors (a
-            global), or a parameter's gradient lives where verify does not
-            compare it (delayed weights, ``main_grad``).
+            global), a parameter's gradient lives where verify does not
+            compare it (delayed weights, ``main_grad``), or a stage gets no
+            gradient at all in the fused backward (nothing to compare).
         RuntimeError: the fused reference fails, or two fused runs disagree
             ("the model is not reproducible").
     """
@@ -176,6 +177,7 @@ def _verify(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}; "
             "verify needs a model whose ordinary backward runs."
         ) from reference.error
+    _refuse_nothing_to_compare(reference, len(modules))
     _refuse_unreproducible(
         reference, one(None, None, "fused backward again (reproducible?)"), dtype
     )
@@ -243,9 +245,12 @@ def _stage_work(
 ) -> WorkShare:
     """One stage's work in ``run``; a split's compared with ``uncheckpointed`` (that stage
     without checkpointing, or why it was not measured)."""
-    flops = run.flops or {}
-    b = flops.get(("B", stage), 0)
-    w = flops.get(("W", stage), 0) + flops.get(("BW", stage), 0)
+
+    def of(counts: dict[tuple[str, int], int] | None, *kinds: str) -> int:
+        return sum((counts or {}).get((kind, stage), 0) for kind in kinds)
+
+    b, w = of(run.flops, "B"), of(run.flops, "W", "BW")
+    b_again, w_again = of(run.recomputed_flops, "B"), of(run.recomputed_flops, "W", "BW")
     own = (
         (lambda where: True)
         if stages == 1
@@ -259,13 +264,45 @@ def _stage_work(
         and own(label.removeprefix("forward of ").removesuffix(" recomputed in backward"))
     )
     share = w / (b + w) if b + w else None
+    gradients = b + w - b_again - w_again
+    measured = WorkShare(
+        stage,
+        b,
+        w,
+        share,
+        recomputed,
+        b_recomputed_flops=b_again,
+        w_recomputed_flops=w_again,
+        w_share_of_gradients=(w - w_again) / gradients if gradients else None,
+    )
     if uncheckpointed is None:
-        return WorkShare(stage, b, w, share, recomputed)
+        return measured
     if isinstance(uncheckpointed, str):
-        return WorkShare(stage, b, w, share, recomputed, not_measured=uncheckpointed)
+        return dataclasses.replace(measured, not_measured=uncheckpointed)
     plain = uncheckpointed.w_share
     low = share is not None and plain is not None and plain > 0 and share < 0.5 * plain
-    return WorkShare(stage, b, w, share, recomputed, plain, low)
+    return dataclasses.replace(measured, uncheckpointed_w_share=plain, w_share_low=low)
+
+
+def _refuse_nothing_to_compare(reference: RunResult, stages: int) -> None:
+    """Raise if some stage gets no gradient at all in the fused run: every split would then
+    compare None with None and pass, whatever it does."""
+    for stage in range(stages):
+        prefix = f"{stage}." if stages > 1 else ""
+        mine = [g for n, g in reference.params.items() if n.startswith(prefix)]
+        mine += [g for n, g in reference.inputs.items() if n.startswith(f"stage {stage} input")]
+        moved = any(n.startswith(f"value of {prefix}") for n in reference.values)
+        if moved or any(g is not None for g in mine):
+            continue
+        if stage == 0 < stages - 1 and not mine:  # a fused first stage without parameters
+            continue
+        raise ValueError(
+            f"nothing to compare on stage {stage}: the fused backward gives none of its "
+            f"{len(mine)} parameter and input gradient(s) a value, so every split would pass "
+            "unchecked. Its output reaches none of them: the stage returns None, a number or "
+            "a tensor detached from its parameters, or its parameters do not require grad. Return "
+            "the output tensor(s) the next stage (or the loss) uses."
+        )
 
 
 def _refuse_unreproducible(first: RunResult, second: RunResult, dtype: torch.dtype) -> None:

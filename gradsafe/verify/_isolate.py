@@ -5,8 +5,9 @@ closing over the caller's parameters (a tensor hook adding into ``p.grad``,
 an optimizer step in backward, a loss applying the last stage's head) would
 act on the caller's tensors while verify runs the copies. Here the stages,
 the loss and the parameters' hooks are copied in one memo, and every Python
-function among them gets a copy of its own whose closure cells are copied
-in that memo too: a cell holding the caller's head then holds the copy's.
+function among them gets a copy of its own whose closure cells and default
+arguments are copied in that memo too: a cell (or a ``p=p`` default) holding
+the caller's head then holds the copy's.
 What a copy still reaches of the caller's (a module-level global, an object
 whose ``__deepcopy__`` returns itself) is refused by :func:`refuse_reaching_caller`.
 """
@@ -46,16 +47,26 @@ def copy_together(
     hooks = list(hooks)
     memo: dict[int, Any] = {}
     cells: list[tuple[types.CellType, types.CellType]] = []
-    for fn in _functions((*modules, loss_fn, *hooks)):
-        memo[id(fn)] = _fresh_function(fn, cells)
+    functions = [(fn, _fresh_function(fn, cells)) for fn in _functions((*modules, loss_fn, *hooks))]
+    memo.update((id(fn), fresh) for fn, fresh in functions)
     copies, loss_copy, hook_copies = copy.deepcopy((list(modules), loss_fn, hooks), memo)
     # Filled after the copy, so that the stages' own copies are in the memo first. A cell
     # reaching no tensor (a list the hook logs to, a counter) stays the caller's own object.
     for old, new in cells:
         if _filled(old):
-            value = old.cell_contents
-            new.cell_contents = copy.deepcopy(value, memo) if _reaches_tensor(value) else value
+            new.cell_contents = _copied(old.cell_contents, memo)
+    # Default arguments capture as cells do (``lambda g, p=p: ...``): copied the same way.
+    for fn, fresh in functions:
+        if fn.__defaults__:
+            fresh.__defaults__ = tuple(_copied(d, memo) for d in fn.__defaults__)
+        if fn.__kwdefaults__:
+            fresh.__kwdefaults__ = {k: _copied(d, memo) for k, d in fn.__kwdefaults__.items()}
     return copies, loss_copy, {id(h): c for h, c in zip(hooks, hook_copies)}
+
+
+def _copied(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` for a copied function: deep-copied in ``memo`` where it reaches a tensor."""
+    return copy.deepcopy(value, memo) if _reaches_tensor(value) else value
 
 
 def _fresh_function(fn: types.FunctionType, cells: list[Any]) -> types.FunctionType:
@@ -71,10 +82,13 @@ def _fresh_function(fn: types.FunctionType, cells: list[Any]) -> types.FunctionT
 
 
 def _functions(roots: Iterable[Any]) -> list[types.FunctionType]:
-    """The Python functions with a closure reachable from ``roots`` (the ones a deep copy would share)."""
+    """The Python functions with a closure or default arguments reachable from ``roots`` (the
+    ones a deep copy would share)."""
     found: dict[int, types.FunctionType] = {}
     for _, value in _walk(roots, follow_globals=False):
-        if isinstance(value, types.FunctionType) and value.__closure__:
+        if isinstance(value, types.FunctionType) and (
+            value.__closure__ or value.__defaults__ or value.__kwdefaults__
+        ):
             found[id(value)] = value
     return list(found.values())
 
@@ -149,6 +163,7 @@ def _children(value: Any, follow_globals: bool) -> list[tuple[str, Any]]:
             if _filled(cell)
         ]
         kids += [(" default", d) for d in value.__defaults__ or ()]
+        kids += [(f" default {k}", d) for k, d in (value.__kwdefaults__ or {}).items()]
         if follow_globals:
             kids += [
                 (f" global {n}", value.__globals__[n])

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
+from gradsafe._shared.doc_links import doc
+
 __all__ = ["GradRow", "HookRow", "Memory", "OrderResult", "Timing", "VerifyReport", "WorkShare"]
 
 # Verdicts of one implementation in one W order.
@@ -26,10 +28,24 @@ NOT_SEEN = {
     "divided once per stage, partly before the other's backwards end: the single-process "
     "mode runs no step's end",
 }
-SCHEDULE_HINT = (
-    "check both with `gradsafe verify PACKAGE.MODULE:FACTORY --schedule ZBVZeroBubble "
-    "--ranks 2` (torch's real schedule on local gloo ranks)"
-)
+_NONE_FINISHED = "  not compared: gradsafe's split finished no run (refused or crashed, above)"
+
+
+def schedule_hint(stages: int, factory: str | None) -> str:
+    """How to check H6 and H7 on these stages: a ``--schedule`` command that runs them (two per
+    rank), or what ``--schedule`` needs when their count does not fit."""
+    if stages in (2, 4, 8):
+        spec = factory or "PACKAGE.MODULE:FACTORY"
+        return (
+            f"check both with `python -m gradsafe verify {spec} --schedule ZBVZeroBubble "
+            f"--ranks {stages // 2}` (torch's real schedule on local gloo ranks, these {stages} "
+            "stages two per rank in a V; Interleaved1F1B, DualPipeV and InterleavedZeroBubble "
+            "too)"
+        )
+    return (
+        "check both with `--schedule` (torch's real schedule on local gloo ranks) from a factory "
+        f"returning two stages per rank, 2, 4 or 8 stages (these are {stages})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +112,15 @@ class Memory:
 @dataclasses.dataclass(frozen=True)
 class WorkShare:
     """One stage's backward in one run: matmul FLOPs run in B and in W (a fused backward, and
-    the fused first of several stages, count all in W), W's share of them, and how many module
-    forwards ran again during the backward (checkpoint recomputations, nested modules each).
+    the fused first of several stages, count all in W), how many of them recomputed forwards,
+    W's share of them in two named senses, and how many module forwards ran again during the
+    backward (checkpoint recomputations, nested modules each).
+
+    ``w_share`` is W's share of the backward's FLOPs, recomputation included
+    (``w / (b + w)``: what a zero-bubble schedule can move into its bubbles);
+    ``w_share_of_gradients`` leaves recomputation out (W's gradient FLOPs over
+    all gradient FLOPs: where the weight-gradient work runs). They differ where B
+    recomputes: a fully checkpointed MLP stage under ``IN_W`` has 0.4 and 0.5.
 
     For a split (gradsafe's, torch's), ``uncheckpointed_w_share`` is the same stage's W share
     in one extra run of gradsafe's split with activation checkpointing turned off, and
@@ -114,6 +137,9 @@ class WorkShare:
     uncheckpointed_w_share: float | None = None
     w_share_low: bool = False
     not_measured: str = ""
+    b_recomputed_flops: int = 0  # of b_flops, run inside a recomputed forward
+    w_recomputed_flops: int = 0  # of w_flops, likewise
+    w_share_of_gradients: float | None = None  # recomputation left out; None without any
 
 
 # The two modes of ``gradsafe verify``: what the checks (``VerifyReport.checks``) are.
@@ -140,7 +166,9 @@ class VerifyReport:
 
     Fields one mode does not measure are None: ``hooks`` and ``hazards`` on a
     schedule; ``schedule`` and ``ranks`` in one process; ``timing``,
-    ``memory`` and ``work`` unless asked for (single process only).
+    ``memory`` and ``work`` unless asked for (single process only); ``factory``
+    (the ``PACKAGE.MODULE:FACTORY`` the command line built the stages with, which
+    the H6/H7 hint's ``--schedule`` command names) outside the command line.
     """
 
     mode: Literal["single-process", "schedule"]  # SINGLE_PROCESS or SCHEDULE
@@ -161,6 +189,7 @@ class VerifyReport:
     timing: Mapping[str, Mapping[str, Timing]] | None = None
     memory: Mapping[str, Mapping[str, Memory]] | None = None  # as timing; crashed runs left out
     work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]] | None = None  # as memory, per stage
+    factory: str | None = None  # the command line's PACKAGE.MODULE:FACTORY (None: the API's caller)
 
     @property
     def ok(self) -> bool:
@@ -204,7 +233,9 @@ class VerifyReport:
         data["refused_only"] = self.refused_only
         data["unsplit_stages"] = list(self.unsplit_stages)
         data["not_seen"] = (
-            None if self.not_seen is None else {**self.not_seen, "how to check": SCHEDULE_HINT}
+            None
+            if self.not_seen is None
+            else {**self.not_seen, "how to check": schedule_hint(self.stages, self.factory)}
         )
         data["format"] = "gradsafe.verify/3"
         return _plain(data)
@@ -240,7 +271,8 @@ class VerifyReport:
         )
         if self.mode == SCHEDULE:
             return (
-                f"gradsafe verify --schedule {self.schedule}: {self.ranks} gloo ranks, {common}, "
+                f"gradsafe verify --schedule {self.schedule}: {self.ranks} gloo "
+                f"rank{'s' * (self.ranks != 1)}, {common}, "
                 "against one process"
             )
         return (
@@ -260,7 +292,8 @@ class VerifyReport:
             + (f" (and {len(params) - 6} more)" if len(params) > 6 else "")
             for name, params in (self.hazards or {}).items()
         ]
-        return ["Hazards found (H1 variants, see docs/hazards.md):", *(found or ["  none"])]
+        where = doc("hazards.md")
+        return [f"Hazards found (H1 variants, see {where}):", *(found or ["  none"])]
 
     def _scope_lines(self) -> list[str]:
         """What this mode did not check: the unsplit first stage, and the hazards of a step."""
@@ -271,7 +304,7 @@ class VerifyReport:
         ]
         lines.append("Not seen in one process (no schedule runs here):")
         lines += [f"  {name}: {why}" for name, why in NOT_SEEN.items()]
-        return [*lines, f"  {SCHEDULE_HINT}."]
+        return [*lines, f"  {schedule_hint(self.stages, self.factory)}."]
 
     def _verdict_lines(self) -> list[str]:
         """Each check's verdict per implementation, then every distinct error message once."""
@@ -303,8 +336,9 @@ class VerifyReport:
             for r in self.grads
             if any(ok is False for per in r.ok.values() for ok in per.values())
         ]
+        none_finished = self._gradsafe_finished_none()
         lines = (
-            ["  none"]
+            ([] if none_finished else ["  none"])
             if not shown
             else _table(
                 ["gradient", "shape", "max|fused|", "gradsafe", "torch's split"],
@@ -321,7 +355,9 @@ class VerifyReport:
             )
         )
         exact = [r for r in self.grads if r not in shown]
-        if exact:
+        if none_finished:
+            lines.append(_NONE_FINISHED)
+        elif exact:
             worst = max(
                 (
                     v
@@ -338,6 +374,10 @@ class VerifyReport:
             )
         return lines
 
+    def _gradsafe_finished_none(self) -> bool:
+        """No check of gradsafe's ran to the end (all refused or crashed): nothing of it compared."""
+        return all(r.verdict in (REFUSED, CRASH) for r in self.gradsafe.values())
+
     def _hook_lines(self) -> list[str]:
         differing = [
             h
@@ -345,7 +385,9 @@ class VerifyReport:
             if any(c is not None and c != h.fused for m in h.calls.values() for c in m.values())
         ]
         if not differing:
-            return ["  every count equals fused"]
+            return [
+                _NONE_FINISHED if self._gradsafe_finished_none() else "  every count equals fused"
+            ]
         return _table(
             ["counted", "fused", "gradsafe", "torch's split"],
             [
@@ -381,31 +423,71 @@ def _memory_lines(memory: Mapping[str, Mapping[str, Memory]]) -> list[str]:
     return lines
 
 
-def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[str]:
-    lines = [
-        "W's share of backward matmul FLOPs per stage (forwards re-run in backward; the fused "
-        "first of several stages runs all in W; uncheckpointed: gradsafe's split with "
-        "activation checkpointing off; LOW: under half the uncheckpointed share):"
+_RUN_NAMES = {"upstream": "torch's split", "uncheckpointed": "gradsafe, no AC"}
+
+
+def _work_rows(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[list[str]]:
+    """One row per run and stage of ``--work``'s table."""
+    fused = {w.stage: w.b_flops + w.w_flops for w in work["fused"]["fused"]}
+    return [
+        [
+            _RUN_NAMES.get(impl, impl),
+            order,
+            str(w.stage),
+            str(w.b_flops),
+            str(w.w_flops),
+            str(w.b_recomputed_flops + w.w_recomputed_flops),
+            f"{(w.b_flops + w.w_flops) / fused[w.stage]:.2f}" if fused.get(w.stage) else "-",
+            "-"
+            if impl == "fused" or w.w_share is None
+            else f"{w.w_share:.3f}" + (" LOW" if w.w_share_low else ""),
+            "-"
+            if impl == "fused" or w.w_share_of_gradients is None
+            else f"{w.w_share_of_gradients:.3f}",
+            str(w.recomputed),
+        ]
+        for impl, per_order in work.items()
+        for order, stages in per_order.items()
+        for w in stages
     ]
+
+
+def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list[str]:
     shares = [w for per_order in work.values() for stages in per_order.values() for w in stages]
-    for impl, per_order in work.items():
-        for order, stages in per_order.items():
-            cells = [
-                f"stage {w.stage} "
-                + ("-" if w.w_share is None else f"{w.w_share:.0%}")
-                + f" ({w.recomputed} re-run)"
-                + (" LOW" if w.w_share_low else "")
-                for w in stages
-            ]
-            lines.append(f"  {impl:14} {order:12} " + ", ".join(cells))
+    rows = _work_rows(work)
+    lines = [
+        "Backward matmul FLOPs per stage (a fused backward, and the fused first of several "
+        "stages, count all in W):",
+        "  recomputed: of B and W, those run in forwards re-run in the backward; x fused: B+W "
+        "over the fused backward's;",
+        "  W share of backward: W/(B+W), recomputation included (what a zero-bubble schedule "
+        "moves into its bubbles); of gradients: recomputation left out;",
+        "  gradsafe, no AC: gradsafe's split with activation checkpointing off; LOW: a W share "
+        "of backward under half of that run's.",
+        *_table(
+            [
+                "run",
+                "order",
+                "stage",
+                "B",
+                "W",
+                "recomputed",
+                "x fused",
+                "W share of backward",
+                "of gradients",
+                "forwards re-run",
+            ],
+            rows,
+        ),
+    ]
     if any(w.w_share_low for w in shares):
         lines.append(
             "  LOW: W carries under half the share it carries on the same stage without "
             "checkpointing, so a zero-bubble schedule has that much less W to fill its bubbles "
             "with. Either weight gradients run in B (CheckpointedWeights.IN_B, a custom Function "
             "without a delayed path, a compiled region; gradsafe's default IN_W runs checkpointed "
-            "ones in W: docs/pipelining.md) or B's recomputation is most of the work (matmuls "
-            "with no weight gradient recomputed, such as a table built in the forward)."
+            f"ones in W: {doc('pipelining.md')}) or B's recomputation is most of the work "
+            "(matmuls with no weight gradient recomputed, such as a table built in the forward)."
         )
     missing = {w.not_measured for w in shares if w.not_measured}
     lines += [f"  Uncheckpointed share not measured: {why}." for why in missing]

@@ -78,8 +78,10 @@ class RunResult:
     # gradient into the parameter (an optimizer step in backward) leaves no .grad
     # to compare: a wrong gradient shows only here.
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # With ``work``: backward matmul FLOPs per (event kind B / W / BW, stage).
+    # With ``work``: backward matmul FLOPs per (event kind B / W / BW, stage), and those of
+    # them run inside a module's forward (recomputation).
     flops: dict[tuple[str, int], int] | None = None
+    recomputed_flops: dict[tuple[str, int], int] | None = None
 
 
 def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
@@ -241,7 +243,7 @@ def _run(
     handoffs: dict[tuple[int, int], Any] = {}
     step = ("", 0, 0)
     live = _storage_counter(copies, microbatches) if memory else None
-    flops = MatmulFlops() if work else None
+    flops = MatmulFlops(forwards=True) if work else None
     clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()), flops)
     try:
         with _entered(live, flops):
@@ -268,10 +270,7 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
-    # Forwards count under phase None, backward steps under (kind, stage): only those are kept.
-    result.flops = (
-        None if flops is None else {k: v for k, v in flops.counts.items() if isinstance(k, tuple)}
-    )
+    _record_work(result, flops)
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
@@ -322,6 +321,17 @@ def _split_stage_names(
     later = {id(p) for c in copies[1:] for p in c.parameters()}
     first = {prefixes[0] + n: p for n, p in copies[0].named_parameters()}
     return {n for n in names if n not in first or id(first[n]) in later}
+
+
+def _record_work(result: RunResult, flops: MatmulFlops | None) -> None:
+    """The backward steps' FLOPs, and their recomputed part, into ``result`` (with ``work``)."""
+    if flops is None:
+        return
+    # Forwards count under phase None, backward steps under (kind, stage): only those are kept.
+    result.flops = {k: v for k, v in flops.counts.items() if isinstance(k, tuple)}
+    result.recomputed_flops = {
+        k: v for k, v in flops.in_forward_counts.items() if isinstance(k, tuple)
+    }
 
 
 class _BackwardClock:

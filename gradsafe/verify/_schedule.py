@@ -1,7 +1,7 @@
 """``gradsafe verify --schedule``: torch's real PipelineStage and schedule on local gloo ranks.
 
 The stages run one step of the schedule on ``ranks`` CPU processes
-(127.0.0.1, a free port, bounded timeouts), once with torch's own split and once
+(127.0.0.1, a file rendezvous, bounded timeouts), once with torch's own split and once
 under ``gradsafe.patch("pipelining")``; each rank's parameter gradients are
 compared with a single-process fused reference in which only stages on the same
 rank share parameters (as they do across ranks' memories).
@@ -10,7 +10,6 @@ rank share parameters (as they do across ranks' memories).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ __all__ = ["SCHEDULES", "placement", "verify_schedule"]
 
 # Which stages each rank holds: V shape (rank r: r and 2R-1-r) or a loop (r, r+R).
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = (*V_SHAPED, "InterleavedZeroBubble")
+SCHEDULES = (*V_SHAPED, "InterleavedZeroBubble", "Interleaved1F1B")
 
 
 def placement(schedule: str, ranks: int) -> dict[int, list[int]]:
@@ -54,17 +53,12 @@ _MODES = ("gradsafe", "upstream")
 _REFUSAL = "SplitBackwardError: "
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), package_root, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over 127.0.0.1 only
     return env
 
 
@@ -227,6 +221,7 @@ def _reference(
             f"the fused reference backward failed ({reference.where}): {reference.error!r}"
         )
     _refuse_consumed_gradients(reference)
+    _refuse_nothing_to_compare(reference, len(stages))
     # A schedule's step (scale_grads=True, its default) gives the averaged loss's gradient.
     reference.params = {
         name: None if grad is None else grad / len(batches)
@@ -235,13 +230,28 @@ def _reference(
     return reference
 
 
+def _refuse_nothing_to_compare(reference: _run.RunResult, stages: int) -> None:
+    """The ranks report parameter gradients: a stage whose every one is None in the fused run
+    would compare None with None and pass, whatever the schedule gave it."""
+    for stage in range(stages):
+        names = [n for n in reference.params if n.split(".")[0] == str(stage)]
+        if names and all(reference.params[n] is None for n in names):
+            raise ValueError(
+                f"nothing to compare on stage {stage}: the fused backward gives none of its "
+                f"{len(names)} parameter(s) a gradient, so every run would pass unchecked. Its "
+                "output reaches none of them (it returns None, a number or a tensor detached "
+                "from its parameters): return the output tensor(s) the next stage uses."
+            )
+
+
 def _refuse_consumed_gradients(reference: _run.RunResult) -> None:
     """The ranks report gradients only: a parameter whose hook consumed its gradient (stepped it
     and cleared ``.grad``) would compare None with None and pass, whatever the schedule gave it."""
     consumed = [
         name
         for name, grad in reference.params.items()
-        if grad is None and bool(reference.values[f"value of {name} after the run"].ne(0).any())
+        # A parameter that did not move has no entry in values (see RunResult.values).
+        if grad is None and f"value of {name} after the run" in reference.values
     ]
     if consumed:
         raise ValueError(
@@ -256,7 +266,8 @@ def _refuse_consumed_gradients(reference: _run.RunResult) -> None:
 def _launch(
     mode: str, spec: str, schedule: str, ranks: int, dtype: torch.dtype, workdir: str
 ) -> list[dict[str, Any]]:
-    port = str(_free_port())
+    # A file rendezvous: no free TCP port to race another run for.
+    init_method = f"file://{Path(workdir).resolve() / f'{mode}-rendezvous'}"
     dtype_name = str(dtype).removeprefix("torch.")
     procs = [
         subprocess.Popen(
@@ -265,7 +276,7 @@ def _launch(
                 "-m",
                 "gradsafe.verify._worker",
                 str(r),
-                port,
+                init_method,
                 str(ranks),
                 schedule,
                 mode,

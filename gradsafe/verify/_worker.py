@@ -1,6 +1,6 @@
 """One gloo rank of ``gradsafe verify --schedule`` (started by ``gradsafe.verify._schedule``; the one module of the package that imports ``gradsafe`` itself, because it applies ``gradsafe.patch``).
 
-argv: rank port ranks schedule mode(gradsafe|upstream) spec dtype workdir. Builds the
+argv: rank init_method ranks schedule mode(gradsafe|upstream) spec dtype workdir. Builds the
 stages with the user's factory, loads the initial state the parent saved, runs one
 step of torch's real schedule on the stages this rank holds, and writes
 ``workdir/{mode}-rank{rank}.pt``: every parameter gradient of those stages, or the crash.
@@ -39,13 +39,13 @@ def apply_gradsafe() -> None:
 
 
 def main() -> None:
-    rank, port, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    rank, init_method, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     schedule, mode, spec, dtype_name, workdir = sys.argv[4:9]
     result: dict[str, Any] = {}
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=ranks,
             timeout=timedelta(seconds=60),

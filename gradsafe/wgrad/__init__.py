@@ -7,8 +7,9 @@
 * :mod:`gradsafe.wgrad.markers` — which parameters a delayed W pass owns.
 * :func:`register_megatron_hook` — Megatron-core DDP's grad-ready hook for a
   delayed parameter; :func:`guard_ddp_step` — DDP's reduction and
-  ``zero_grad_buffer()`` refuse while a W pass is outstanding
-  (:mod:`gradsafe.wgrad.megatron`).
+  ``zero_grad_buffer()`` refuse while a W pass (or a pipelining B's W) is
+  outstanding; :class:`UnguardedDDPWarning` — delayed work met a Megatron
+  DDP no guard covers (:mod:`gradsafe.wgrad.megatron`).
 * :func:`split_wgrad_store` — in gradsafe's split backward (B/W), the store a
   custom Function records its weight part into, so W runs it
   (:mod:`gradsafe.wgrad.split`).
@@ -20,6 +21,7 @@ one under Megatron-core's hooks without Megatron.
 
 import warnings
 
+from gradsafe._shared.deprecation import removal_notice
 from gradsafe.wgrad._policy import dummy_wgrad, wgrad_return
 from gradsafe.wgrad._store import (
     GradReadyHook,
@@ -28,7 +30,12 @@ from gradsafe.wgrad._store import (
     WeightGradStore,
 )
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
-from gradsafe.wgrad.megatron import DDPStepGuard, guard_ddp_step, register_megatron_hook
+from gradsafe.wgrad.megatron import (
+    DDPStepGuard,
+    UnguardedDDPWarning,
+    guard_ddp_step,
+    register_megatron_hook,
+)
 from gradsafe.wgrad.split import SplitWeightGradStore, split_wgrad_store
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "GradReadyHook",
     "PendingWeightGrads",
     "SplitWeightGradStore",
+    "UnguardedDDPWarning",
     "WeightGradClosure",
     "WeightGradStore",
     "dummy_wgrad",
@@ -52,8 +60,8 @@ def __getattr__(name: str) -> object:
     # The 0.1 name of WeightGradClosure, kept with a warning (CHANGELOG.md, deprecation policy).
     if name == "WgradClosure":
         warnings.warn(
-            "gradsafe.wgrad.WgradClosure was renamed WeightGradClosure in gradsafe 0.2.0; the old "
-            "name is removed in 0.4.0",
+            "gradsafe.wgrad.WgradClosure was renamed WeightGradClosure in gradsafe 0.2.0; "
+            + removal_notice(),
             DeprecationWarning,
             stacklevel=2,
         )

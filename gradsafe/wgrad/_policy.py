@@ -34,6 +34,7 @@ from typing import TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe._shared.deprecation import removal_notice
 from gradsafe.wgrad._torch import current_graph_task
 from gradsafe.wgrad.markers import mark_hook_keeps_no_gradient
 
@@ -131,8 +132,8 @@ def _renamed_keyword(old: str, new: str) -> Callable[[_F], _F]:
                 if new in kwargs:
                     raise TypeError(f"{func.__name__}() got {old}= and {new}=; pass only {new}=")
                 warnings.warn(
-                    f"{func.__name__}({old}=) was renamed {new}= in gradsafe 0.2.0; the old "
-                    "keyword is removed in 0.4.0",
+                    f"{func.__name__}({old}=) was renamed {new}= in gradsafe 0.2.0; "
+                    + removal_notice(),
                     DeprecationWarning,
                     stacklevel=2,
                 )

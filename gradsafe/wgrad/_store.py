@@ -27,12 +27,13 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe._shared import pending_w
 from gradsafe.patching import REGISTRY
 from gradsafe.wgrad._policy import flag_grad_written, flag_main_grad_written, watch_flag
 from gradsafe.wgrad._torch import autograd_version
@@ -74,11 +75,18 @@ class _Read:
 
 @dataclasses.dataclass(frozen=True)
 class _Use:
+    """One recorded weight use: what W computes for ``param`` (this store's and a split B's)."""
+
     param: torch.Tensor
     compute: WeightGradClosure
     accumulate_into_main_grad: bool
-    captured: bool  # recorded while a CUDA graph was being captured
+    # Recorded while a CUDA graph was being captured (WeightGradStore's records only: a
+    # split B's store does not read it).
+    captured: bool
     reads: tuple[_Read, ...]
+    # The custom Function's node (an autograd Node) that recorded it (a split B's records only:
+    # B refuses a node that records a parameter's weight part and also returns its gradient).
+    node: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +116,18 @@ class OutstandingW:
     unrun: int  # sealed passes not run yet (or running on another thread)
     lost: tuple[str, ...]  # passes of this step that will deliver nothing more: why, each
     shapes: tuple[tuple[int, ...], ...]  # the parameters concerned, each once
+    handoffs: int  # pipelining B's whose W (stage_backward_weight) has not run yet
 
     def __bool__(self) -> bool:
-        return bool(self.open_records or self.unrun or self.lost)
+        return bool(self.open_records or self.unrun or self.lost or self.handoffs)
 
     def describe(self) -> str:
         """One clause per kind of outstanding work, with what makes it deliver."""
         parts = []
+        if self.handoffs:
+            parts.append(
+                f"{self.handoffs} pipelining B(s) whose W (stage_backward_weight) has not run yet"
+            )
         if self.unrun:
             parts.append(f"{self.unrun} sealed W pass(es) not run yet")
         if self.open_records:
@@ -523,6 +536,7 @@ class WeightGradStore:
             )
         read = tuple(_read(t) for t in reads)
         capturing = _graph_capture_underway()
+        pending_w.warn_if_unguarded((param,), "WeightGradStore.record")
         mark_delayed_wgrad(param)
         # An undelayed use of param in this backward delivers its gradient into
         # .grad at AccumulateGrad; W must then leave it for the hook to add.
@@ -639,7 +653,11 @@ def outstanding_w(params: Iterable[torch.Tensor]) -> OutstandingW:
         unrun += store_unrun
         lost += store_lost
         shapes.update(dict.fromkeys(store_shapes))
-    return OutstandingW(open_records, unrun, tuple(lost), tuple(shapes))
+    # gradsafe's own pipelining split: B's hand-offs whose W has not run, or never will.
+    handoffs, handoffs_lost, handoff_shapes = pending_w.outstanding(ids)
+    lost += handoffs_lost
+    shapes.update(dict.fromkeys(handoff_shapes))
+    return OutstandingW(open_records, unrun, tuple(lost), tuple(shapes), handoffs)
 
 
 def forget_lost_w(params: Iterable[torch.Tensor]) -> None:
@@ -647,3 +665,4 @@ def forget_lost_w(params: Iterable[torch.Tensor]) -> None:
     ids = {id(p) for p in params}
     for store in _live_stores():
         store._forget_lost(ids)
+    pending_w.forget_lost(ids)

@@ -53,11 +53,15 @@ from typing import Any, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradsafe._shared import pending_w
 from gradsafe.wgrad._store import forget_lost_w, outstanding_w
 from gradsafe.wgrad.markers import grad_lifetime_is_managed, mark_delayed_wgrad
 
+UnguardedDDPWarning = pending_w.UnguardedDDPWarning
+
 __all__ = [
     "DDPStepGuard",
+    "UnguardedDDPWarning",
     "GradReadyRegistry",
     "Removable",
     "guard_ddp_step",
@@ -204,6 +208,9 @@ class DDPStepGuard:
 
     def __init__(self, ddp: Any) -> None:
         self._ddp = ddp
+        # The parameters it covers (delayed work on uncovered ones with a main_grad warns once).
+        self._covered = self._params()
+        pending_w.cover(self._covered)
         # What each wrapped name was in the instance's own __dict__ (absent: the class's method).
         self._before: dict[str, object] = {}
         self._installed: dict[str, Callable[..., Any]] = {}
@@ -224,8 +231,10 @@ class DDPStepGuard:
             params = self._params()
             found = outstanding_w(params)
             if name == _ZERO:
-                if found.open_records or found.unrun:
+                if found.open_records or found.unrun or found.handoffs:
                     raise RuntimeError(_zero_refusal(found.describe()))
+                if found.lost:
+                    _forget_abandoned_readiness(self._ddp)
                 result = original(*args, **kwargs)
                 forget_lost_w(params)  # a new step: passes lost in the last one no longer count
                 return result
@@ -250,6 +259,8 @@ class DDPStepGuard:
             else:
                 delattr(self._ddp, name)
         self._installed.clear()
+        pending_w.uncover(self._covered)
+        self._covered = []
 
 
 _GUARD_MARK = "_gradsafe_ddp_step_guard"
@@ -312,6 +323,34 @@ def _refuse_two_delayed_parameters_in_one_module(model: torch.nn.Module) -> None
                 "delayed parameter (e.g. a delayed bias) its own module offering the method, or "
                 "do not delay it"
             )
+
+
+def _forget_abandoned_readiness(ddp: Any) -> None:
+    """Let Megatron's ``zero_grad_buffer()`` start a new step after one abandoned with a W lost.
+
+    Under ``overlap_grad_reduce`` Megatron-core (read in 0.19.2) counts, per
+    bucket group, the grad-ready hook calls of the step's last microbatch:
+    ``bucket_group.reset()`` records the first step's counts as the golden
+    ones and asserts that every parameter of the group was counted, which a
+    lost W leaves short (a bare ``AssertionError``, and the guard then refused
+    every later reduction). The abandoned step's counts are dropped here (so
+    the next step counts as the first again where it was), and a bucket
+    group whose reduction the hooks already started is waited for, so the
+    next step's does not find one outstanding. Nothing else of Megatron's is
+    touched; a DDP without bucket groups (``MegatronStyleDDP``) has nothing to forget.
+    """
+    if not getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False):
+        return
+    groups = [
+        *getattr(ddp, "bucket_groups", ()),
+        *getattr(ddp, "expert_parallel_bucket_groups", ()),
+    ]
+    for group in groups:
+        if getattr(group, "grad_reduce_handle", None) is not None:
+            group.finish_grad_sync()
+        counts = getattr(group, "per_param_grad_ready_counts", None)
+        if isinstance(counts, dict):
+            counts.clear()
 
 
 def _reduction_refusal(name: str, what: str) -> str:

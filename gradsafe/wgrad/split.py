@@ -28,26 +28,27 @@ any other backward.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from gradsafe.wgrad._policy import wgrad_return
-from gradsafe.wgrad._store import WeightGradClosure, _Read, _read, accumulate_into_main_grad
+from gradsafe.wgrad._store import WeightGradClosure, _read, _Use, accumulate_into_main_grad
 
 __all__ = ["DeferredWeightGrads", "SplitWeightGradStore", "open_split_store", "split_wgrad_store"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Use:
-    param: torch.Tensor
-    compute: WeightGradClosure
-    accumulate_into_main_grad: bool
-    reads: tuple[_Read, ...]
+class _Recorded:
+    """One B's uses, recorded by any of its nodes (from any autograd thread)."""
+
+    def __init__(self) -> None:
+        self.uses: list[_Use] = []
+        self.open = True
+        self.lock = threading.Lock()  # records may come from several autograd threads
 
 
 class SplitWeightGradStore:
@@ -58,10 +59,10 @@ class SplitWeightGradStore:
     (the parameter's gradient still reaches it through AccumulateGrad, in W).
     """
 
-    def __init__(self) -> None:
-        self._uses: list[_Use] = []
-        self._open = True
-        self._lock = threading.Lock()  # records may come from several autograd threads
+    def __init__(self, recorded: _Recorded, node: Any) -> None:
+        # One store per node (so each use names the node that recorded it), all of one B sharing `recorded`.
+        self._recorded = recorded
+        self._node = node
 
     def record(
         self,
@@ -91,21 +92,30 @@ class SplitWeightGradStore:
                 "gradient. Pass the parameter itself to the Function (and record it), and apply "
                 "the view inside the kernel and the closure."
             )
-        use = _Use(param, compute, accumulate_into_main_grad, tuple(_read(t) for t in reads))
-        with self._lock:
-            if not self._open:
+        use = _Use(
+            param,
+            compute,
+            accumulate_into_main_grad,
+            captured=False,  # read only by WeightGradStore
+            reads=tuple(_read(t) for t in reads),
+            node=self._node,
+        )
+        recorded = self._recorded
+        with recorded.lock:
+            if not recorded.open:
                 raise RuntimeError(
                     "SplitWeightGradStore.record: the split backward (B) that opened this store "
                     "has ended, so no W would run this weight gradient. Look the store up with "
                     "split_wgrad_store(ctx) inside each backward call; do not keep it."
                 )
-            self._uses.append(use)
+            recorded.uses.append(use)
 
-    def _close(self) -> DeferredWeightGrads:
-        with self._lock:
-            self._open = False
-            uses, self._uses = tuple(self._uses), []
-        return DeferredWeightGrads(uses)
+
+def _close(recorded: _Recorded) -> DeferredWeightGrads:
+    with recorded.lock:
+        recorded.open = False
+        uses, recorded.uses = tuple(recorded.uses), []
+    return DeferredWeightGrads(uses)
 
 
 class DeferredWeightGrads:
@@ -128,6 +138,11 @@ class DeferredWeightGrads:
     def params(self) -> tuple[torch.Tensor, ...]:
         """The parameters recorded, each once, in first-recorded order."""
         return tuple({id(u.param): u.param for u in self._uses}.values())
+
+    @property
+    def recorded_by(self) -> tuple[tuple[Any, torch.Tensor], ...]:
+        """Each use's ``(node that recorded it, parameter)``, in recorded order."""
+        return tuple((u.node, u.param) for u in self._uses)
 
     @property
     def reads(self) -> tuple[torch.Tensor, ...]:
@@ -235,19 +250,20 @@ def open_split_store(nodes: Sequence[object]) -> Iterator[list[DeferredWeightGra
     :class:`DeferredWeightGrads` recorded in it (nothing on an exception:
     what was recorded is dropped with the failed B, silently).
     """
-    store = SplitWeightGradStore()
+    recorded = _Recorded()
+    stores = {id(node): SplitWeightGradStore(recorded, node) for node in nodes}
     result: list[DeferredWeightGrads] = []
     with _open_lock:
         for node in nodes:
-            _open[id(node)] = (node, store)
+            _open[id(node)] = (node, stores[id(node)])
     try:
         yield result
     except BaseException:
-        store._close().discard()
+        _close(recorded).discard()
         raise
     finally:
         with _open_lock:
             for node in nodes:
-                if _open.get(id(node), (None, None))[1] is store:
+                if _open.get(id(node), (None, None))[1] is stores[id(node)]:
                     del _open[id(node)]
-    result.append(store._close())
+    result.append(_close(recorded))

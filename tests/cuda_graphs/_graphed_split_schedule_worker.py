@@ -1,6 +1,6 @@
 """One rank of a 2-rank zero-bubble schedule whose stages are graphed split stages (run by test_graphed_split_schedule.py).
 
-argv: rank port schedule(ZBV|InterleavedZB) outdir. CUDA graphs are emulated on
+argv: rank init_method schedule(ZBV|InterleavedZB) outdir. CUDA graphs are emulated on
 the CPU. Each rank graphs its two stage modules with
 make_graphed_split_callables in the order CaptureOrder derives for the
 schedule, hands PipelineStage the graphed modules and their dw_builder, and
@@ -127,10 +127,10 @@ def run(rank: int, kind: str) -> dict[str, object]:
 
 
 def main() -> None:
-    rank, port, kind, outdir = (int(sys.argv[1]), *sys.argv[2:5])
+    rank, init_method, kind, outdir = (int(sys.argv[1]), *sys.argv[2:5])
     from tests._rank_worker import run_rank  # the workers' path has the repository root
 
-    run_rank(rank, port, outdir, lambda: run(rank, kind))
+    run_rank(rank, init_method, outdir, lambda: run(rank, kind))
 
 
 if __name__ == "__main__":

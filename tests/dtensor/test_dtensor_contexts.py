@@ -18,6 +18,9 @@ import torch
 
 from gradsafe.dtensor import probe_propagator
 
+# The newest torch on the registry runs these first (noxfile.py's newest session).
+pytestmark = pytest.mark.smoke
+
 _CONTEXTS = {
     "plain": "contextlib.nullcontext()",
     "no_grad": "torch.no_grad()",

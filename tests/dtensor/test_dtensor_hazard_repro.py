@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from conftest import applied
 from torch.distributed.tensor import Partial, Replicate
@@ -19,6 +20,9 @@ import gradsafe
 from gradsafe.dtensor import _patch, _torch, probe_propagator
 from gradsafe.dtensor._hazards import SeedResult, run_seed
 from gradsafe.patching import MISSING, Skip
+
+# The newest torch on the registry runs these first (noxfile.py's newest session).
+pytestmark = pytest.mark.smoke
 
 
 def _seen(result: SeedResult) -> tuple[tuple[object, ...], dict[str, int]]:

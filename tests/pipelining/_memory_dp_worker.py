@@ -1,6 +1,6 @@
 """One of 2 gloo ranks: live storage during B and W of a data-parallel stage, gradsafe vs baselines.
 
-Run by test_pipelining_memory_dp.py. argv: rank port outdir. Writes outdir/rank{r}.pt:
+Run by test_pipelining_memory_dp.py. argv: rank init_method outdir. Writes outdir/rank{r}.pt:
 ``{"points": {case: {point: bytes}}, "grads": {case: [gradients]}, "unsharded": {case:
 {point: bytes FSDP2's unsharded parameters hold}}}`` or ``{"crash": ...}``,
 a case being ``(wrapper, stage, order, impl)``, ``impl`` one of ``WRAPPERS[wrapper]``.
@@ -286,7 +286,7 @@ def measure(
 
 
 def main() -> None:
-    rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, init_method, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
     def body() -> dict[str, Any]:
         result: dict[str, Any] = {"points": {}, "grads": {}, "unsharded": {}}
@@ -300,7 +300,7 @@ def main() -> None:
                         result["unsharded"][case] = gathered
         return result
 
-    run_rank(rank, port, outdir, body)
+    run_rank(rank, init_method, outdir, body)
 
 
 if __name__ == "__main__":

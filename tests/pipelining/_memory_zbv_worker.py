@@ -1,6 +1,6 @@
 """One of 2 gloo ranks: live storage around every B and W of real ScheduleZBVZeroBubble steps.
 
-Run by test_pipelining_memory_zbv.py. argv: rank port outdir. Writes outdir/rank{r}.pt:
+Run by test_pipelining_memory_zbv.py. argv: rank init_method outdir. Writes outdir/rank{r}.pt:
 ``{"points": {(stage, impl): {point: bytes}}}`` or ``{"crash": ...}``.
 
 4 stages of Linear + tanh layers (rank 0 holds stages 0 and 3, rank 1 stages 1
@@ -92,7 +92,7 @@ def measure(rank: int, stage: str, impl: str) -> dict[str, int]:
 
 
 def main() -> None:
-    rank, port, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, init_method, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
     def body() -> dict[str, Any]:
         points = {
@@ -102,7 +102,7 @@ def main() -> None:
         }
         return {"points": points}
 
-    run_rank(rank, port, outdir, body)
+    run_rank(rank, init_method, outdir, body)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One rank of a 2-rank zero-bubble schedule run on gloo (run by test_pipelining_schedule.py).
 
-argv: rank port mode(gradsafe|upstream) schedule(ZBV|InterleavedZB)
+argv: rank init_method mode(gradsafe|upstream) schedule(ZBV|InterleavedZB)
 wrapper(none|ddp|fsdp|fsdp_mp|fsdp_dp2) outdir. Each pipeline rank holds two of the four
 stages, optionally wrapped: DDP, or FSDP2 over the rank's own one-rank mesh (parameters are
 still swapped between sharded and unsharded around every forward/backward), or, for fsdp_dp2,
@@ -124,14 +124,14 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    rank, port, mode, kind, wrapper, outdir = (int(sys.argv[1]), *sys.argv[2:7])
+    rank, init_method, mode, kind, wrapper, outdir = (int(sys.argv[1]), *sys.argv[2:7])
     dp = data_parallel(wrapper)
     pp_rank, dp_rank = divmod(rank, dp)
     result: dict[str, object] = {}
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=2 * dp,
             timeout=timedelta(seconds=60),

@@ -1,12 +1,15 @@
 """torchtitan's own trainer, llama3 debug model, pipeline-parallel under ScheduleZBVZeroBubble.
 
 Run by test_torchtitan.py. argv: ``rank port mode(gradsafe|upstream) pp dp ac(selective|none)
-reshard(default|always|never) fsdp(on|off) schedule outdir``, or ``reference outdir ranks dp``
-(one process, no process group). ``schedule`` is torchtitan's name (``ZBVZeroBubble``,
+reshard(default|always|never) fsdp(on|off) schedule compile(off|inductor|aot_eager) outdir``, or
+``reference outdir ranks dp compile`` (one process, no process group). ``schedule`` is torchtitan's name (``ZBVZeroBubble``,
 ``InterleavedZeroBubble``, ``DualPipeV``); ``fsdp off`` (with dp 1) skips torchtitan's
 ``apply_fsdp_to_decoder``, so the chunked loss's per-chunk backward accumulates into a plain
 ``lm_head.weight.grad`` (hazard H6: torch's metadata inference runs that loss once on
-uninitialised stage inputs, and without FSDP nothing clears what it accumulated).
+uninitialised stage inputs, and without FSDP nothing clears what it accumulated). ``compile``
+other than ``off`` sets ``--compile.enable`` with that backend: torchtitan compiles each
+transformer block in place (over its activation-checkpoint wrapper) and the loss, with torch's
+defaults (AOTAutograd's buffer donation on).
 
 A training rank builds ``llama3_debugmodel()``'s ``Trainer`` with as few changes as make it run on
 CPU with gloo and compare in fp32 (see ``config()``), trains STEPS steps with ``trainer.train()``
@@ -125,6 +128,7 @@ def config(
     reshard: str,
     dump_folder: str,
     schedule: str = "ZBVZeroBubble",
+    compile_backend: str = "off",
 ) -> Any:
     """``llama3_debugmodel()`` as torchtitan ships it, changed only where this test must.
 
@@ -135,7 +139,8 @@ def config(
     - fp32 FSDP2 compute (``mixed_precision_param``), so the comparison can be tight.
     - ZBV schedule, PP and FSDP degrees, short sequences, microbatch size 1, STEPS steps, no
       validation, no checkpoints, no CUDA graphs, files only under ``dump_folder``.
-    - as the caller asks: no activation checkpointing, another FSDP2 reshard policy.
+    - as the caller asks: no activation checkpointing, another FSDP2 reshard policy,
+      ``--compile.enable`` with a backend (torchtitan's default is inductor).
     Kept as shipped: FSDP2 on every stage, selective activation checkpointing, the chunked
     cross-entropy loss (lm_head applied in the loss), AdamW with warmup, gradient clipping at 1.0
     (but see dp > 1 below).
@@ -177,6 +182,11 @@ def config(
     cfg.comm.init_timeout_seconds = 60
     cfg.comm.train_timeout_seconds = 60
     cfg.comm.trace_buf_size = 0
+    if compile_backend != "off":
+        cfg.compile.enable = True
+        cfg.compile.backend = compile_backend
+        # A rank compiling its blocks keeps its peer waiting on a recv meanwhile.
+        cfg.comm.init_timeout_seconds = cfg.comm.train_timeout_seconds = 300
     cfg.debug.enable_structured_logging = False
     return cfg
 
@@ -208,6 +218,7 @@ def train(
     reshard: str,
     fsdp: str,
     schedule: str,
+    compile_backend: str,
     outdir: str,
 ) -> None:
     os.environ.update(
@@ -219,7 +230,7 @@ def train(
     )
     result: dict[str, Any] = {"steps": []}
     try:
-        cfg = config(pp, dp, ac == "selective", reshard, outdir, schedule)
+        cfg = config(pp, dp, ac == "selective", reshard, outdir, schedule, compile_backend)
         if fsdp == "off":
             _without_fsdp()
         trainer = cfg.build()
@@ -260,8 +271,12 @@ def train(
     torch.distributed.destroy_process_group()
 
 
-def reference(outdir: str, ranks: int, dp: int) -> None:
-    """Per step: the same parameters, one unsplit model, gradient accumulation, same clipping."""
+def reference(outdir: str, ranks: int, dp: int, compile_backend: str) -> None:
+    """Per step: the same parameters, one unsplit model, gradient accumulation, same clipping.
+
+    With ``compile_backend``, each transformer block is compiled in place as torchtitan's
+    ``apply_compile`` does (``block.compile(backend=..., fullgraph=True)``).
+    """
     cfg = config(2, dp, False, "default", outdir)  # the training run's model, data, clipping
     model_config = cfg.model_spec.model
     model_config.update_from_config(config=cfg)
@@ -269,6 +284,9 @@ def reference(outdir: str, ranks: int, dp: int) -> None:
         model = model_config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # the RoPE cache; parameters are loaded below
+    if compile_backend != "off":
+        for block in model.layers.children():
+            block.compile(backend=compile_backend, fullgraph=True)
     results = [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
     vocab = model_config.vocab_size
     data = [microbatches(d, vocab, 1, SEQ_LEN) for d in range(dp)]
@@ -301,10 +319,22 @@ def reference(outdir: str, ranks: int, dp: int) -> None:
 
 def main() -> None:
     if sys.argv[1] == "reference":
-        reference(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        reference(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
-    rank, port, mode, pp, dp, ac, reshard, fsdp, schedule, outdir = sys.argv[1:11]
-    train(int(rank), port, mode, int(pp), int(dp), ac, reshard, fsdp, schedule, outdir)
+    rank, port, mode, pp, dp, ac, reshard, fsdp, schedule, compile_backend, outdir = sys.argv[1:12]
+    train(
+        int(rank),
+        port,
+        mode,
+        int(pp),
+        int(dp),
+        ac,
+        reshard,
+        fsdp,
+        schedule,
+        compile_backend,
+        outdir,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """W carries the weight GEMMs of checkpointed and selective-AC stages (issue 29).
 
-FLOPs and bytes are counted (gradsafe/pipelining/_balance.py), never timed.
+FLOPs and bytes are counted (benchmarks/_balance.py), never timed.
 The balance figures are docs/pipelining.md's table ("Checkpointed stages").
 """
 
@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import _benchmarks
 import pytest
 import torch
 from torch import nn
@@ -22,12 +23,24 @@ from gradsafe.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-from gradsafe.pipelining._balance import Balance, Mlp, measure, save_matmuls
+
+# benchmarks/ is not a package and not on sys.path under plain `pytest`: load by path.
+_balance = _benchmarks.load("_balance")
+Balance, Mlp, measure, save_matmuls = (
+    _balance.Balance,
+    _balance.Mlp,
+    _balance.measure,
+    _balance.save_matmuls,
+)
 
 D = 128
 TOKENS = (D // 4, D, 4 * D)
 IN_W, IN_B = CheckpointedWeights.IN_W, CheckpointedWeights.IN_B
 RECOMPUTE = CheckpointedWeights.RECOMPUTE_IN_W
+# What a checkpointed stage holds between B and W, at most, over the stage without
+# checkpointing, where B frees what only the input gradients needed (the GELU inputs);
+# selective AC keeps the matmul outputs its policy saved until the checkpoint drops them.
+_HELD_OVER_PLAIN = {"full": 1.0, "selective": 1.09}
 
 
 @functools.cache
@@ -49,8 +62,9 @@ def test_w_runs_the_weight_gemms_of_a_checkpointed_stage_by_default(
     assert split.b + split.w <= 1.02 * fused.b
     assert split.w_recomputed == 0
     assert split.b_recomputed == fused.b_recomputed
-    # Between B and W: no more than the stage without checkpointing holds.
-    assert split.held <= 1.05 * plain.held
+    # Between B and W: no more than the stage without checkpointing holds (selective AC: the
+    # matmul outputs its policy saved, which B leaves to the checkpoint, up to 1.09x of it).
+    assert split.held <= _HELD_OVER_PLAIN[checkpointing] * plain.held
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
@@ -60,7 +74,7 @@ def test_memory_between_b_and_w_stays_under_the_uncheckpointed_stage_up_to_8d_to
     tokens = 8 * D
     plain = measure(IN_W, "none", tokens, D)
     split = measure(IN_W, checkpointing, tokens, D)
-    assert split.held <= 1.05 * plain.held
+    assert split.held <= _HELD_OVER_PLAIN[checkpointing] * plain.held
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
@@ -131,8 +145,9 @@ def test_torchs_split_crashes_on_selective_checkpointing() -> None:
 
 # docs/pipelining.md's memory formulas for this stage (2 blocks, float64), in elements.
 _HELD = {
-    ("none", IN_W): lambda t, d: 31 * t * d + 4 * t,
-    ("none", IN_B): lambda t, d: 31 * t * d + 4 * t,
+    # B frees the saved tensors W never unpacks (each GELU's input): as full AC under IN_W.
+    ("none", IN_W): lambda t, d: 23 * t * d + 4 * t,
+    ("none", IN_B): lambda t, d: 23 * t * d + 4 * t,
     ("none", "torch"): lambda t, d: 31 * t * d + 4 * t,
     ("full", IN_W): lambda t, d: 23 * t * d + 4 * t,
     ("selective", IN_W): lambda t, d: 25 * t * d + 4 * t,
@@ -450,3 +465,64 @@ def test_choosing_recompute_in_w_warns_that_stateful_regions_are_not_detected() 
     with pytest.warns(UserWarning, match="updates state it reads"):
         with checkpointed_weights(RECOMPUTE):
             pass
+
+
+class _Frozen(nn.Module):
+    """A checkpointed block reading a trainable weight and a frozen one."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+        self.frozen = nn.Parameter(torch.randn(d, d), requires_grad=False)
+
+    def _region(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(torch.tanh(self.fc1(x)) @ self.frozen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._region, x, use_reentrant=False)
+
+
+_STEPS: dict[str, Callable[[nn.Module], object]] = {
+    "optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1).step(),
+    "foreach-adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.1, foreach=True).step(),
+    "clamp": lambda m: [p.clamp_(-0.01, 0.01) for p in m.parameters()],
+    "ema-first-weight": lambda m: m[0].fc1.weight.mul_(0.5),
+    "frozen-weight": lambda m: m[0].frozen.mul_(0.5),
+}
+
+
+@pytest.mark.parametrize("policy", list(CheckpointedWeights), ids=lambda p: p.name)
+@pytest.mark.parametrize("step", _STEPS.values(), ids=list(_STEPS))
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_w_refuses_a_checkpointed_stage_whose_parameter_changed_in_place_after_b(
+    policy: CheckpointedWeights, step: Callable[[nn.Module], object], blocks: int
+) -> None:
+    # An optimizer, EMA or clamp step run before the last W: exact or refused.
+    # RECOMPUTE_IN_W recomputes the regions in W with the new values, so it
+    # must refuse; IN_W refuses where W reads B's recomputed views of them.
+    torch.manual_seed(0)
+    stage = nn.Sequential(*(_Frozen(16) for _ in range(blocks))).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    y = stage(x)
+    y.backward(torch.ones_like(y), retain_graph=True)
+    want = [p.grad for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+    y = stage(x)
+    with checkpointed_weights(policy):
+        _, handoff = stage_backward_input(y, torch.ones_like(y), [x], stage.parameters())
+    grads = [p.grad for p in stage.parameters()]
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    with torch.no_grad():
+        step(stage)
+    stage.zero_grad(set_to_none=True)
+    try:
+        grads = list(stage_backward_weight(stage.parameters(), handoff))
+    except SplitBackwardError as exc:
+        assert "modified in place after B" in str(exc) and "W has run" in str(exc)
+        assert all(p.grad is None for p in stage.parameters())
+        return
+    assert policy is not CheckpointedWeights.RECOMPUTE_IN_W, "W recomputed with the new values"
+    for got, ref in zip(grads, want):
+        assert (got is None and ref is None) or torch.equal(got, ref)  # type: ignore[arg-type]

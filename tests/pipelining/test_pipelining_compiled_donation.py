@@ -1,5 +1,9 @@
 """Compiled blocks with torch's defaults (``donated_buffer`` on) under a split backward.
 
+And under a zero-bubble schedule, whose metadata inference runs the blocks' first backward
+before the first microbatch: gradsafe keeps that graph so the backward compiles without
+donation, and a fused schedule keeps torch's donation.
+
 AOTAutograd compiles a block's backward lazily, on its first run, and drops the
 buffer donation when that run keeps the graph (as B's does). A split is refused
 only where the installed torch would really refuse: a backward already compiled
@@ -200,3 +204,134 @@ def test_donation_from_inductors_on_disk_cache_is_refused_naming_the_cache(tmp_p
     assert "on-disk cache" in later and "TORCHINDUCTOR_AUTOGRAD_CACHE=0" in later, later
     assert "already compiled" not in later, later
     assert _process(cache, "split", TORCHINDUCTOR_AUTOGRAD_CACHE="0") == "EXACT"
+
+
+class _Block(nn.Module):
+    """torchtitan's way: one block class, each instance compiled in place (they share its code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * 2  # tanh's output: a saved buffer the backward donates
+
+
+def _blocks(compiled: bool) -> list[nn.Module]:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [_Block(), _Block()]
+    for block in blocks:
+        if compiled:
+            block.compile(backend="aot_eager", fullgraph=True)
+    return blocks
+
+
+def _pipeline_grads(schedule: str, blocks: list[nn.Module]) -> list[torch.Tensor]:
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from gradsafe.pipelining.schedule._inference_hazards import one_rank_world
+
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
+    with one_rank_world():
+        stages = [PipelineStage(b, i, 2, torch.device("cpu")) for i, b in enumerate(blocks)]
+        runner = getattr(schedules, schedule)(
+            stages, n_microbatches=4, loss_fn=nn.functional.mse_loss
+        )
+        try:
+            runner.step(x, target=target)
+        except RuntimeError as exc:  # torch 2.11 sends between local stages over gloo
+            if "state_ >= CONNECTED" in str(exc) or "Pair is not connected" in str(exc):
+                pytest.skip("this torch cannot run two stages on one gloo rank")
+            raise
+        if schedule != "ScheduleInterleaved1F1B":
+            # A step after the one that ran the inference: its first B reads the donation
+            # record the inference left.
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+            runner.step(x, target=target)
+    return [p.grad for b in blocks for p in b.parameters()]  # type: ignore[misc]
+
+
+def _accumulated_grads() -> list[torch.Tensor]:
+    blocks = _blocks(compiled=False)
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
+    for xs, goal in zip(x.chunk(4), target.chunk(4)):
+        (nn.functional.mse_loss(blocks[1](blocks[0](xs)), goal) / 4).backward()
+    return [p.grad for b in blocks for p in b.parameters()]  # type: ignore[misc]
+
+
+@pytest.mark.distributed
+# DualPipeV on one rank runs fused backwards but for its first stage's last microbatch (whose
+# input needs no gradient): nothing there for the donation to refuse. test_torchtitan.py runs it
+# on two ranks.
+@pytest.mark.parametrize("schedule", ["ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"])
+def test_compiled_blocks_first_run_by_the_metadata_inference_split_exactly_with_donation_on(
+    schedule: str,
+) -> None:
+    """torch's metadata inference backwards through every non-first stage before the first
+    microbatch: without gradsafe keeping that graph, the blocks' shared backward was compiled
+    donating its buffers there and the first B was refused (torchtitan with --compile.enable)."""
+    torch._dynamo.reset()
+    assert torch._functorch.config.donated_buffer  # torch's default, not patched here
+    import gradsafe
+
+    with gradsafe.patch("pipelining"):
+        got = _pipeline_grads(schedule, _blocks(compiled=True))
+    for a, b in zip(got, _accumulated_grads()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.distributed
+def test_a_fused_schedules_compiled_blocks_keep_torchs_buffer_donation() -> None:
+    """Only a schedule that splits keeps the inference's graph: a fused one's blocks compile
+    their backward donating, as without gradsafe."""
+    torch._dynamo.reset()
+    import gradsafe
+
+    blocks = _blocks(compiled=True)
+    with gradsafe.patch("pipelining"):
+        got = _pipeline_grads("ScheduleInterleaved1F1B", blocks)
+    for a, b in zip(got, _accumulated_grads()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="donated"):
+        torch.autograd.grad(blocks[0](x).sum(), list(blocks[0].parameters()), retain_graph=True)
+
+
+def test_a_split_after_another_instances_fused_backward_is_refused_saying_what_happened() -> None:
+    """Instances of one class compiled in place share one compiled backward: a fused backward
+    through one (a reference model, a warm-up) donates for all. The refusal says so, and what to
+    do, instead of blaming a warm-up step of this block."""
+    torch._dynamo.reset()
+    reference, stage = _blocks(compiled=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    reference(x).sum().backward()  # compiles the shared backward, freeing the graph: donates
+    with pytest.raises(SplitBackwardError) as info:
+        stage_backward_input([stage(x).sum()], None, [x], list(stage.parameters()))
+    text = str(info.value)
+    assert "another instance of its class" in text, text
+    assert "first step under gradsafe.patch()" in text, text
+    assert "donated_buffer = False" in text, text
+    assert all(p.grad is None for p in stage.parameters())
+
+
+@pytest.mark.distributed
+def test_blocks_another_instance_donated_for_before_the_patch_recompile_split_and_are_exact() -> (
+    None
+):
+    """Another instance's fused backward, before the patch, compiled the class's shared backward
+    donating; under the patch the schedule's regions compile anew (the patch changes what
+    AOTAutograd compiles with), split, without donation: exact, where the inference met the
+    donated backward and was refused before the compiled split."""
+    torch._dynamo.reset()
+    import gradsafe
+
+    blocks = _blocks(compiled=True)
+    other = _blocks(compiled=True)[0]
+    other(torch.randn(3, 8)).sum().backward()  # compiles the shared backward donating
+    with gradsafe.patch("pipelining"):
+        got = _pipeline_grads("ScheduleZBVZeroBubble", blocks)
+    for a, b in zip(got, _accumulated_grads()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

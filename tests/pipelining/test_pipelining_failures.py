@@ -143,8 +143,10 @@ def test_parameter_passed_as_stage_input_is_refused() -> None:
 def test_freed_saved_tensors_detected_before_any_gradient_or_hook() -> None:
     model = _model()
     x = torch.randn(3, 4, requires_grad=True)
-    hidden = model[1](model[0](x))
-    out = model[2](hidden)
+    # A backward from the first Linear's output runs only nodes W calls (B freed the tanh's
+    # saved output, which W never needs: a backward through it would stop there).
+    hidden = model[0](x)
+    out = model[2](model[1](hidden))
     _, handoff = stage_backward_input([out], [torch.ones(3, 4)], [x], model.parameters())
     hidden.sum().backward()  # another backward frees saved tensors W needs
     before = _grads(model)

@@ -100,8 +100,10 @@ def test_retain_graph_must_be_bool() -> None:
 def test_graph_freed_between_b_and_w() -> None:
     model = _model()
     x = torch.randn(3, 4, requires_grad=True)
-    hidden = model[1](model[0](x))
-    out = model[2](hidden)
+    # The first Linear's output: a backward from it runs only nodes W calls (one through
+    # the tanh would stop there: B freed the tanh's saved output, which W never needs).
+    hidden = model[0](x)
+    out = model[2](model[1](hidden))
     _, handoff = stage_backward_input([out], [torch.ones(3, 4)], [x], model.parameters())
     hidden.sum().backward()  # frees the saved tensors W needs (no retain_graph)
     before = _grads(model)

@@ -295,7 +295,7 @@ def test_backwards_inside_the_inference_leave_parameters_and_their_hooks_alone()
     node.register_hook(lambda gi, go: fired.append("post"))
     weight.register_post_accumulate_grad_hook(lambda p: fired.append("accumulated"))
     x = torch.randn(2, 3, dtype=torch.float64)
-    with _torch.backwards_spare([weight]):
+    with _torch.backwards_spare([weight], keep_graphs=False):
         (x @ weight @ other).square().sum().backward()
         (x @ weight).sum().backward()  # reaches the parameter only: not run
         (x @ weight @ other).sum().backward(inputs=[weight])
@@ -427,9 +427,11 @@ def test_later_steps_take_no_snapshot(world: None, monkeypatch: pytest.MonkeyPat
     taken = []
     original = _inference.InferenceSnapshot.take.__func__  # type: ignore[attr-defined]
 
-    def counting(cls: type, modules: list[nn.Module]) -> _inference.InferenceSnapshot:
+    def counting(
+        cls: type, modules: list[nn.Module], keep_graphs: bool
+    ) -> _inference.InferenceSnapshot:
         taken.append(len(modules))
-        return original(cls, modules)
+        return original(cls, modules, keep_graphs)
 
     monkeypatch.setattr(_inference.InferenceSnapshot, "take", classmethod(counting))
     from torch.distributed.pipelining import PipelineStage, schedules

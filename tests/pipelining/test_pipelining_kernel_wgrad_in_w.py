@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsafe.pipelining import SplitBackwardError, stage_backward_input, stage_backward_weight
 from gradsafe.testing import MegatronStyleDDP
@@ -482,3 +483,129 @@ def test_out_of_memory_in_a_kernels_closure_reaches_the_caller_as_itself(example
         notes = getattr(caught.value, "__notes__", [])
         assert any("delayed weight gradient" in note for note in notes), notes
     assert w.grad is None and handoff.state.value == "failed"
+
+
+class _RecordsAndReturns(torch.autograd.Function):
+    """A kernel that records its weight part for W and also returns it (a kernel bug)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        x, w = ctx.saved_tensors
+        store = split_wgrad_store(ctx)
+        if store is not None:
+            store.record(w, lambda _: g.t() @ x, accumulate_into_main_grad=False)
+        return g @ w, g.t() @ x
+
+
+class _Returns(torch.autograd.Function):
+    """A kernel without a delayed path, for the same weight (a tied use)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def test_a_kernel_that_records_its_weight_part_and_also_returns_it_is_refused_in_b() -> None:
+    w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    y = _RecordsAndReturns.apply(x, w)
+    with pytest.raises(SplitBackwardError, match="also returned it") as info:
+        stage_backward_input(y, torch.ones(2, 3), [x], [w])
+    assert "wgrad_return" in str(info.value)
+    assert w.grad is None and x.grad is None
+
+
+def test_a_recorded_weight_another_kernel_returns_for_its_own_use_stays_exact() -> None:
+    # Tied: one kernel delays its use, another returns its own: not counted twice.
+    class Delays(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # type: ignore[no-untyped-def, override]
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+            x, w = ctx.saved_tensors
+            store = split_wgrad_store(ctx)
+            if store is None:
+                return g @ w, g.t() @ x
+            store.record(w, lambda _: g.t() @ x, accumulate_into_main_grad=False)
+            return g @ w, None
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+
+    def stage(x: torch.Tensor) -> torch.Tensor:
+        return _Returns.apply(torch.tanh(Delays.apply(x, w)), w)
+
+    stage(x).backward(g)
+    want = w.grad.clone()  # type: ignore[union-attr]
+    w.grad = None
+    _, handoff = stage_backward_input(stage(x), g, [x], [w])
+    stage_backward_weight([w], handoff)
+    torch.testing.assert_close(w.grad, want, rtol=0, atol=1e-12)
+
+
+class _Written(TorchDispatchMode):
+    """Every operator W runs, and the bytes of the new storages each returns (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        given = {
+            a.untyped_storage().data_ptr()
+            for a in (*args, *(kwargs or {}).values())
+            if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["grad None", "grad held"])
+def test_w_runs_delayed_closures_without_copying_their_gradients_the_same_ops_every_run(
+    example: ModuleType, held: bool
+) -> None:
+    """W writes each delayed weight gradient once (the closure's GEMM; AccumulateGrad adopts it
+    or adds it in place), with the same operators on every run: a closure's inputs, freed once
+    its parameter is done, once made a later gradient whose address (or id) they had look
+    aliased, so W copied it, and AccumulateGrad copied the rest (W still held them)."""
+    torch.manual_seed(0)
+    layers = [example.FusedLinear(64, 64) for _ in range(6)]
+    stage = torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.Tanh())))
+    weights = sum(p.numel() * p.element_size() for p in stage.parameters())
+    runs = []
+    for _ in range(8):
+        for p in stage.parameters():
+            p.grad = torch.zeros_like(p) if held else None
+        x = torch.randn(32, 64, requires_grad=True)
+        out = stage(x)
+        _, handoff = stage_backward_input([out], [torch.ones_like(out)], [x], stage.parameters())
+        gc.collect()
+        with _Written() as written:
+            stage_backward_weight(stage.parameters(), handoff)
+        runs.append((written.ops, written.bytes))
+    assert all(run == runs[0] for run in runs), [len(ops) for ops, _ in runs]
+    ops, written_bytes = runs[0]
+    assert "aten.copy_.default" not in ops and ops.count("aten.clone.default") <= 1, ops
+    # The GEMMs' outputs, and W's one scalar helper (a clone of its anchor).
+    assert written_bytes <= weights + 4, (written_bytes, weights)

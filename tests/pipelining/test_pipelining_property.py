@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _thin import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -110,7 +111,9 @@ def _run(
 
 # split_checker is a pure function: nothing to reset between examples.
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(40),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(program=programs(), as_loss=st.booleans())
 def test_random_dags_split_equals_fused(program: Any, as_loss: bool, split_checker: Any) -> None:

@@ -14,6 +14,9 @@ from torch import nn
 
 from gradsafe.pipelining import _hazards as hazards
 
+# The newest torch on the registry runs these first (noxfile.py's newest session).
+pytestmark = pytest.mark.smoke
+
 
 def x_(*shape: int, grad: bool = True) -> torch.Tensor:
     return torch.randn(*shape, requires_grad=grad)

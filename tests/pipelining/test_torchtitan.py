@@ -17,7 +17,16 @@ And without FSDP2 (torchtitan applies it even at shard degree 1; the worker skip
 loss, under ZBV, InterleavedZB and DualPipeV: hazard H6, torch's metadata inference running the
 chunked loss (and its per-chunk lm_head backward) on uninitialised stage inputs before step 1.
 
-Tolerance, fp32: atol 1e-6, rtol 1e-5 (gradients up to ~0.05; measured max abs error 1.1e-8).
+And with ``--compile.enable`` (torchtitan's in-place per-block compile over its AC wrapper, and
+the compiled loss; AOTAutograd's buffer donation on, torch's default), defaults otherwise, under
+ZBV (inductor, torchtitan's default backend), InterleavedZB and DualPipeV (aot_eager: the donation
+is AOTAutograd's whatever the backend, and aot_eager compiles faster on CPU), against the unsplit
+model with each block compiled in place the same way. Every such run died at its first B before
+(torch's metadata inference compiled the blocks' backward donating). Attention is torchtitan's
+SDPA here too: torch cannot compile FlexAttention's backward on CPU.
+
+Tolerance, fp32: atol 1e-6, rtol 1e-5 (gradients up to ~0.05; measured max abs error 1.1e-8;
+compiled: 1.2e-8 inductor ZBV, 1.4e-8 aot_eager ZBV).
 
 Without gradsafe, torch's own split fails there: with selective AC (torchtitan's default) W
 recomputes a region B already consumed and raises "Trying to backward an extra time"; without AC
@@ -55,14 +64,17 @@ def _train(
     tmp_path: Path,
     fsdp: str = "on",
     schedule: str = "ZBVZeroBubble",
+    compile_backend: str = "off",
 ) -> list[dict[str, object]]:
     return run_ranks(
         WORKER,
-        [mode, "2", str(dp), ac, reshard, fsdp, schedule],
+        [mode, "2", str(dp), ac, reshard, fsdp, schedule, compile_backend],
         2 * dp,
         tmp_path,
-        f"torchtitan {mode} {schedule} PP 2 x FSDP {dp} ({fsdp}), {ac} AC, reshard {reshard}",
+        f"torchtitan {mode} {schedule} PP 2 x FSDP {dp} ({fsdp}), {ac} AC, reshard {reshard}, "
+        f"compile {compile_backend}",
         timeout=TIMEOUT,
+        tcp=True,  # torchtitan joins by env:// (MASTER_PORT)
     )
 
 
@@ -81,9 +93,19 @@ def _grads(results: list[dict[str, object]]) -> Grads:
     return steps
 
 
-def _reference(results: list[dict[str, object]], dp: int, tmp_path: Path) -> Grads:
+def _reference(
+    results: list[dict[str, object]], dp: int, tmp_path: Path, compile_backend: str = "off"
+) -> Grads:
     done = subprocess.run(
-        [sys.executable, str(WORKER), "reference", str(tmp_path), str(len(results)), str(dp)],
+        [
+            sys.executable,
+            str(WORKER),
+            "reference",
+            str(tmp_path),
+            str(len(results)),
+            str(dp),
+            compile_backend,
+        ],
         env=worker_env(),
         capture_output=True,
         timeout=TIMEOUT,
@@ -118,10 +140,34 @@ def test_torchtitan_without_fsdp_chunked_loss_with_gradsafe_equals_single_proces
     _assert_equals_reference(results, 1, tmp_path)
 
 
-def _assert_equals_reference(results: list[dict[str, object]], dp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule, backend",
+    [
+        ("ZBVZeroBubble", "inductor"),  # torchtitan's default backend
+        # The donation is AOTAutograd's, whatever the backend; aot_eager compiles faster.
+        ("InterleavedZeroBubble", "aot_eager"),
+        ("DualPipeV", "aot_eager"),
+    ],
+)
+def test_torchtitan_compiled_zero_bubble_with_gradsafe_equals_compiled_accumulation(
+    schedule: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --compile.enable with torch's defaults (buffer donation on): torchtitan compiles each block
+    # in place over its selective-AC wrapper, and the loss. torch's metadata inference runs the
+    # blocks' first backward before step 1, freeing its graph; without gradsafe keeping it, that
+    # backward compiled donating its buffers and the first B was refused. Each test compiles into
+    # a cache of its own, so no earlier run's cache entry decides it.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    results = _train("gradsafe", 1, "selective", "default", tmp_path, "on", schedule, backend)
+    _assert_equals_reference(results, 1, tmp_path, backend)
+
+
+def _assert_equals_reference(
+    results: list[dict[str, object]], dp: int, tmp_path: Path, compile_backend: str = "off"
+) -> None:
     crashes = _crashes(results)
     assert not crashes, crashes[0]
-    want = _reference(results, dp, tmp_path)
+    want = _reference(results, dp, tmp_path, compile_backend)
     for step, (got, ref) in enumerate(zip(_grads(results), want)):
         assert set(got) == set(ref)
         for name, grad in ref.items():

@@ -169,6 +169,12 @@ def tied_v() -> tuple[list[nn.Module], list[Any], Any]:
     return stages, ids, loss
 
 
+def tied_v_one_rank() -> tuple[list[nn.Module], list[Any], Any]:
+    """H7 at its simplest: the two stages of one rank of a V, the embedding tied to the head."""
+    stages, ids, loss = tied_v()
+    return [stages[0], stages[3]], ids, loss
+
+
 class _HeadSkipped(_Block):
     """A last stage whose head its forward skips: the loss applies it (torchtitan's ``_skip_lm_head``)."""
 
@@ -222,3 +228,43 @@ def hooked_first_stage() -> tuple[list[nn.Module], list[Any]]:
     stages: list[nn.Module] = [nn.Linear(4, 4), nn.Linear(4, 4)]
     stages[0].weight.register_post_accumulate_grad_hook(lambda p: None)
     return stages, _batches()
+
+
+def printing() -> tuple[nn.Module, list[Any]]:
+    """A factory that prints, as one loading a checkpoint might."""
+    print("loading weights ...")
+    return param_only_output()
+
+
+class _ReturnsNothing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.lin(x)  # the result is dropped: nothing reaches a gradient
+
+
+class _Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).detach() * 2
+
+
+def returns_none() -> tuple[nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    return _ReturnsNothing(), _batches()
+
+
+def detached_output() -> tuple[nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    return _Detached(), _batches()
+
+
+def detached_first_of_two() -> tuple[list[nn.Module], list[Any]]:
+    """Two stages, the first of which detaches its output: its parameters get no gradient."""
+    torch.manual_seed(0)
+    return [_Detached(), nn.Linear(4, 4)], _batches()

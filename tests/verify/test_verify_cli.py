@@ -83,3 +83,29 @@ def test_a_forward_drawing_from_pythons_random_exits_2_as_not_reproducible(
     err = capsys.readouterr().err
     assert "the model is not reproducible: two fused backwards" in err
     assert "lin.weight" in err and "Python's `random`" in err
+
+
+def test_json_stdout_is_the_report_alone_when_the_factory_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["verify", "_factories:printing", "--json", "--orders", "w-after-b"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ok"] and "loading weights" in err
+
+
+def test_a_missing_factory_module_names_where_python_looked_and_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["verify", "no_such_package.model:make"]) == 2
+    err = capsys.readouterr().err
+    assert "no module named 'no_such_package'; Python looked in " in err
+    assert "PYTHONPATH=" in err and "no_such_package.py or no_such_package/" in err
+
+
+@pytest.mark.parametrize("factory", ["returns_none", "detached_output"])
+def test_a_stage_with_no_gradient_to_compare_exits_2_instead_of_exact(
+    factory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", f"_factories:{factory}", "--orders", "w-after-b"]) == 2
+    captured = capsys.readouterr()
+    assert "nothing to compare on stage 0" in captured.err and "OK" not in captured.out

@@ -54,6 +54,17 @@ def test_a_tensor_hook_adding_into_the_parameters_grad_leaves_the_callers_grad_a
     assert _same(before, _state(model))
 
 
+def test_a_hook_capturing_its_parameter_as_a_default_argument_is_isolated_like_a_closure() -> None:
+    model = _model()
+    for p in model.parameters():
+        # ``p=p`` binds each loop's parameter, the usual way to write this hook in a loop.
+        p.register_hook(lambda g, p=p: g + 0.01 * p.detach())
+    before = _state(model)
+    report = verify(model, _batches(), orders=("w-after-b",))
+    assert report.ok, str(report)
+    assert _same(before, _state(model))
+
+
 def test_an_optimizer_step_in_backward_moves_the_copies_not_the_callers_parameters() -> None:
     model = _model()
     optimizers = {p: torch.optim.SGD([p], lr=0.5) for p in model.parameters()}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from _factories import _batches, hooked_first_stage
+from _factories import ReentrantOnInput, _batches, hooked_first_stage
 from _ranks import worker_env
 from torch import nn
 
@@ -44,6 +44,16 @@ def test_a_crashed_split_is_one_line_not_a_row_per_gradient(
         "  8 gradient(s) equal fused in every run that finished (worst relative error 0)",
     ], text
     assert text.count("split exploded") == 1, text
+
+
+def test_a_refused_model_prints_no_pass_lines() -> None:
+    torch.manual_seed(0)
+    report = verify(ReentrantOnInput(), _batches(), orders=("w-after-b",))
+    text = str(report)
+    assert report.refused is not None and not report.ok
+    assert "equal fused in every run that finished" not in text
+    assert "every count equals fused" not in text
+    assert text.count("not compared: gradsafe's split finished no run") == 2
 
 
 def test_a_hook_on_the_fused_first_stage_is_not_flagged_as_a_hook_in_w() -> None:
@@ -165,7 +175,7 @@ def test_work_gives_ws_share_of_backward_matmul_flops_and_the_re_runs_per_stage(
         (split,) = report.work[impl]["w-after-b"]
         # A linear layer's input and weight gradients cost the same matmul FLOPs.
         assert split.w_share == 0.5 and split.b_flops + split.w_flops == fused.w_flops
-    assert "W's share of backward matmul FLOPs" in str(report)
+    assert "Backward matmul FLOPs per stage" in str(report)
     assert report.to_json()["work"]["gradsafe"]["w-after-b"][0]["w_share"] == 0.5
 
 
@@ -181,6 +191,24 @@ def test_work_shows_torchs_split_recomputing_a_checkpoint_three_times() -> None:
     assert ours.b_flops + ours.w_flops == fused.w_flops < theirs.b_flops + theirs.w_flops
 
 
+def test_work_text_gives_b_w_recomputed_and_fused_flops_and_both_w_shares() -> None:
+    torch.manual_seed(0)
+    report = verify(_Checkpointed(), _batches(), orders=("w-after-b",), work=True)
+    (ours,) = report.work["gradsafe"]["w-after-b"] if report.work else ()
+    # B recomputes the region's first linear (early stop) and runs both input gradients.
+    assert (ours.b_flops, ours.w_flops, ours.b_recomputed_flops) == (2304, 1536, 768)
+    assert ours.w_share == pytest.approx(0.4) and ours.w_share_of_gradients == pytest.approx(0.5)
+    rows = {
+        line.split("  ")[1].strip(): line.split()
+        for line in str(report).splitlines()
+        if line.startswith(("  fused ", "  gradsafe ", "  torch's split "))
+    }
+    assert rows["fused"][3:7] == ["0", "3840", "768", "1.00"]
+    assert rows["gradsafe"][3:10] == ["2304", "1536", "768", "1.00", "0.400", "0.500", "8"]
+    # torch's split recomputes the region in W once per call: 1.4x the fused backward's FLOPs.
+    assert rows["torch's split"][4:12] == ["2304", "3072", "2304", "1.40", "0.571", "0.500", "24"]
+
+
 def test_work_with_time_is_refused() -> None:
     with pytest.raises(ValueError, match=r"work=True.*not in timed runs"):
         verify(nn.Linear(4, 4), _batches(), work=True, time_backward=True)
@@ -188,6 +216,6 @@ def test_work_with_time_is_refused() -> None:
 
 def test_work_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "_factories:param_only_output", "--work", "--orders", "w-after-b"]) == 0
-    assert "W's share of backward matmul FLOPs" in capsys.readouterr().out
+    assert "W share of backward" in capsys.readouterr().out
     assert main(["verify", "_factories:param_only_output", "--work", "--time"]) == 2
     assert "not in timed runs" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from _factories import four_prefix_stages
 from _ranks import worker_env
 
+from gradsafe.__main__ import main
 from gradsafe.verify import VerifyReport, _schedule, verify
 from gradsafe.verify._run import RunResult
 from gradsafe.verify._schedule import verify_schedule
@@ -217,3 +219,46 @@ def test_a_wrong_rank_is_not_ok_and_not_a_refusal() -> None:
     )
     assert not report.ok and not report.refused_only  # the command line's exit 1
     assert str(report).endswith("NOT OK.")
+
+
+@pytest.mark.distributed
+def test_the_h7_hint_under_two_tied_stages_names_a_command_that_runs_them_on_one_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(HERE)
+    assert main(["verify", "_factories:tied_v_one_rank", "--orders", "w-after-b"]) == 0
+    hinted = re.search(r"`python -m gradsafe verify (.*?)`", capsys.readouterr().out)
+    assert hinted is not None
+    args = hinted.group(1).split()
+    assert args == ["_factories:tied_v_one_rank", "--schedule", "ZBVZeroBubble", "--ranks", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsafe", "verify", *args, "--json"],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    _skip_if_gloo_cannot_run_v_shapes(data)
+    assert proc.returncode == 0 and data["ranks"] == 1, data
+    # H7: the tied table, divided once per stage of the one rank, partly before the other's B.
+    assert data["upstream"]["rank 0"]["verdict"] == "WRONG"
+
+
+def test_interleaved_1f1b_on_one_rank_is_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    # Accepted: the run gets as far as importing the factory (whose module is missing here).
+    assert (
+        main(["verify", "no_such_module:f", "--schedule", "Interleaved1F1B", "--ranks", "1"]) == 2
+    )
+    assert "no module named 'no_such_module'" in capsys.readouterr().err
+    assert _schedule.placement("Interleaved1F1B", 1) == {0: [0, 1]}
+
+
+def test_a_schedule_stage_with_no_gradient_to_compare_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(HERE)
+    with pytest.raises(ValueError, match="nothing to compare on stage 0"):
+        verify_schedule("_factories:detached_first_of_two", "ZBVZeroBubble", 1)

@@ -8,6 +8,7 @@ here, as torchtitan's does).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -56,7 +57,7 @@ def test_a_checkpointed_stage_whose_weight_work_runs_in_b_is_flagged() -> None:
     ours = _ours(report)
     assert ours.w_share == 0.0 and ours.uncheckpointed_w_share == 0.5 and ours.w_share_low
     text = str(report)
-    assert "stage 0 0% (32 re-run) LOW" in text, text
+    assert re.search(r"gradsafe +w-after-b +0 +\d+ +0 +\d+ +1\.00 +0\.000 LOW", text), text
     assert "gradsafe's default IN_W runs checkpointed ones in W" in text, text
     data = report.to_json()
     assert data["work"]["gradsafe"][ORDER][0]["w_share_low"] is True
@@ -68,7 +69,7 @@ def test_under_in_w_the_checkpointed_stage_is_not_flagged() -> None:
     ours = _ours(report)
     assert ours.w_share == pytest.approx(0.4) and not ours.w_share_low
     assert ours.uncheckpointed_w_share == 0.5
-    assert "re-run) LOW" not in str(report)
+    assert " LOW " not in str(report)
 
 
 def test_an_uncheckpointed_stage_is_not_flagged() -> None:

@@ -1,4 +1,4 @@
-"""One gloo rank: a delayed weight gradient under FSDP2 (``fully_shard``); argv: RANK PORT OUT."""
+"""One gloo rank: a delayed weight gradient under FSDP2 (``fully_shard``); argv: RANK INIT_METHOD OUT."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One gloo rank: megatron-core's real DistributedDataParallel beside MegatronStyleDDP and fp64 autograd.
 
-Run by test_megatron_real.py. argv: rank port world_size outdir. Writes to outdir/rank{rank}.pt
+Run by test_megatron_real.py. argv: rank init_method world_size outdir. Writes to outdir/rank{rank}.pt
 ``{"import_error": str}`` where megatron-core cannot be imported, else
 ``{"cases": [...], "probes": {...}, "seconds": float}``.
 
@@ -494,7 +494,7 @@ class _CpuZeros:
         return torch.zeros(*size, **kwargs)
 
 
-def _real_ddp(net: torch.nn.Module, **config: bool) -> Any:
+def _real_ddp(net: torch.nn.Module, **config: Any) -> Any:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -572,6 +572,84 @@ def _lifecycle_case(
         found["after_fix"] = _outcome(ddp.finish_grad_sync)
     if guard is not None:
         guard.remove()
+    return found
+
+
+def _abandon_case(
+    fused_linear: Any,
+    world: int,
+    rank: int,
+    *,
+    real: bool,
+    overlap: bool,
+    at_step: int,
+    bucket_size: int | None = None,
+) -> dict[str, Any]:
+    """Issue 36 item 4: a step's last W dropped, the step abandoned as docs/wgrad.md says, then two clean steps.
+
+    ``at_step`` clean steps run first (0: the abandoned step is the DDP's
+    first, whose readiness counts Megatron records under ``overlap_grad_reduce``).
+    Returns the outcome of ``zero_grad_buffer()`` in the recovery and each
+    clean step's main_grad error against fp64 autograd. ``bucket_size``
+    (real DDP): small, each parameter gets its own bucket group, so the
+    complete ones start their reduction from the hooks in the abandoned step.
+    """
+    from gradsafe.testing import MegatronStyleDDP
+    from gradsafe.wgrad import WeightGradStore, guard_ddp_step
+
+    torch.manual_seed(5)
+    store = WeightGradStore()
+    net = Net(fused_linear, store, fused=False, tied=False, dtype=torch.float32)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    config = {"overlap_grad_reduce": overlap, "grad_reduce_in_fp32": True}
+    if bucket_size is not None:
+        config["bucket_size"] = bucket_size
+    ddp = _real_ddp(net, delay_wgrad_compute=True, **config) if real else None
+    ddp = ddp or MegatronStyleDDP(net, delay_wgrad_compute=True, **config)
+    guard = guard_ddp_step(ddp)
+    no_sync = ddp.no_sync if real else contextlib.nullcontext
+    microbatches = 3
+    found: dict[str, Any] = {"recovery": None, "errors": []}
+
+    def passes(step: int, *, drop_last: bool) -> None:
+        pending: dict[int, Any] = {}
+        for phase, mb in _schedule(microbatches)[: -1 if drop_last else None]:
+            with no_sync() if mb < microbatches - 1 else contextlib.nullcontext():
+                if phase == "B":
+                    (ddp if real else net)(_data(step, rank, mb, torch.float32)).pow(
+                        2
+                    ).sum().backward()
+                    pending[mb] = store.seal()
+                else:
+                    pending.pop(mb).run()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            pending.clear()  # the dropped last W, if any
+            gc.collect()
+
+    for step in range(at_step + 3):
+        if step != at_step + 1:  # the recovery zeroed the buffers already
+            ddp.zero_grad_buffer()
+        if step == at_step:
+            passes(step, drop_last=True)
+            found["refused"] = _outcome(ddp.finish_grad_sync)
+            for p in net.parameters():  # abandon the step, as the refusal says
+                p.grad = None
+            found["recovery"] = _outcome(ddp.zero_grad_buffer)
+            continue
+        passes(step, drop_last=False)
+        outcome = _outcome(ddp.finish_grad_sync)
+        if outcome != "ok":
+            found["errors"].append(outcome)
+            break
+        ref = _reference(state, step, world, microbatches, torch.float32)
+        found["errors"].append(
+            max(
+                ((p.main_grad.double() - ref[n]).abs().max() / ref[n].abs().max()).item()
+                for n, p in net.named_parameters()
+            )
+        )
+    guard.remove()
     return found
 
 
@@ -737,6 +815,30 @@ def _lifecycle(fused_linear: Any, world: int, rank: int) -> dict[str, Any]:
             )
         ],
         "two_delayed": _two_delayed(),
+        "abandon": [
+            (
+                {"real": real, "overlap": overlap, "at_step": at_step},
+                _abandon_case(
+                    fused_linear, world, rank, real=real, overlap=overlap, at_step=at_step
+                ),
+            )
+            for real, overlap, at_step in itertools.product((True, False), (False, True), (0, 1))
+        ]
+        + [
+            (
+                {"real": True, "overlap": True, "at_step": at_step, "bucket_size": 1},
+                _abandon_case(
+                    fused_linear,
+                    world,
+                    rank,
+                    real=True,
+                    overlap=True,
+                    at_step=at_step,
+                    bucket_size=1,
+                ),
+            )
+            for at_step in (0, 1)
+        ],
         "schedules": [
             (
                 {"schedule": schedule, "overlap": overlap, "fused": fused, "w_where": w_where},
@@ -765,7 +867,7 @@ def _lifecycle(fused_linear: Any, world: int, rank: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    rank, port, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    rank, init_method, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     outfile = Path(sys.argv[4]) / f"rank{rank}.pt"
     sys.path.insert(0, str(REPO))
     try:
@@ -777,9 +879,7 @@ def main() -> None:
     start = time.perf_counter()
     found: dict[str, Any] = {}
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         _cpu_stand_ins()
         parallel_state.initialize_model_parallel(1, 1)
         fused_linear = _example()

@@ -201,3 +201,20 @@ def test_every_w_in_a_finalize_model_grads_func_wrapper_is_exact_in_megatrons_sc
                 assert found["outcome"][0].startswith(
                     "RuntimeError: DDP.finish_grad_sync(): delayed weight"
                 ), (key, found)
+
+
+def test_abandoning_a_step_with_a_dropped_w_recovers_under_real_megatron(ranks) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 item 4: the documented recovery works with overlap_grad_reduce too (first step or later).
+
+    Megatron's zero_grad_buffer() asserted on the first step's partial readiness
+    counts, and the guard then refused every later reduction.
+    """
+    for result in ranks:
+        cases = result["lifecycle"]["abandon"]
+        assert len(cases) == 10
+        for key, found in cases:
+            assert found["refused"].startswith("RuntimeError: DDP.finish_grad_sync()"), (key, found)
+            assert found["recovery"] == "ok", (key, found)
+            # Each clean step (those before the abandoned one, and two after) exact.
+            assert len(found["errors"]) == key["at_step"] + 2, (key, found)
+            assert max(found["errors"]) <= 1e-5, (key, found)

@@ -18,6 +18,9 @@ from gradsafe.wgrad._hazards import (
     run_config,
 )
 
+# The newest torch on the registry runs these first (noxfile.py's newest session).
+pytestmark = pytest.mark.smoke
+
 NOW_FUSED_FLAG = Config(delayed=False, fused=True, has_flag=True)
 NOW_FUSED_NO_FLAG = Config(delayed=False, fused=True, has_flag=False)
 DELAYED_UNFUSED = Config(delayed=True, fused=False, has_flag=False)

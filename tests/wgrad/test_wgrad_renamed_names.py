@@ -37,3 +37,27 @@ def test_wgrad_closure_old_name_is_the_new_one_with_a_deprecation_warning() -> N
     assert old is WeightGradClosure
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         gradsafe.wgrad.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_every_deprecation_warning_names_the_same_removal_release() -> None:
+    import importlib
+    import sys
+    import warnings
+
+    import gradsafe.pipelining
+    from gradsafe._shared.deprecation import REMOVED_IN
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    sys.modules.pop("gradsafe.testing.megatron", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradsafe.wgrad.WgradClosure  # type: ignore[attr-defined]  # noqa: B018
+        wgrad_return(weight, None, accumulated_into_main_grad=False, delayed=True)
+        for name in ("verify", "ORDERS", "VerifyReport"):
+            getattr(gradsafe.pipelining, name)
+        importlib.import_module("gradsafe.testing.megatron")
+    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    assert len(messages) == 6
+    for message in messages:
+        assert f"removed in gradsafe {REMOVED_IN}" in message, message
+        assert "next release" not in message and "one minor release" not in message

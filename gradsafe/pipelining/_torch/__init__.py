@@ -52,6 +52,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   ``torch.utils.checkpoint._Holder`` and its ``handles`` dict (reached
   through ``SavedTensor.data``): a checkpointed node's saved tensors unpack
   once in B and once more in W from the one recomputation;
+  their behaviour is probed once per process (:func:`unpack_twice_unsupported`,
+  :func:`recompute_alike_unsupported`); where it differs, the policy runs as
+  ``IN_B``;
 - torch bugs a split's weight-only call of a built-in node reaches (GroupNorm's
   weight-only backward on a channels_last input segfaults on 2.13): probed once
   per process in a subprocess, where a crash cannot take the caller down;
@@ -71,7 +74,9 @@ and :func:`missing_feature` reports it before the patch is applied:
   which torchtitan reads once at import to pick its device.
 
 By topic, one module each: :mod:`._checkpoint` (checkpoint holders), :mod:`._nodes` (node kinds, input metadata,
-saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
+saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._leaf_hooks` (a leaf's hooks
+silenced at B's capture), :mod:`._multi_grad_hooks` (``register_multi_grad_hook``'s
+registrations), :mod:`._engine`
 (the engine's entry points, callbacks, the checkpoint group, its errors),
 :mod:`._state` (RNG, FSDP2, modules' tensors, device probes) and :mod:`._probe`
 (:func:`missing_feature`). Everything is imported from this package.
@@ -80,18 +85,34 @@ saved tensors, direct calls), :mod:`._hooks` (hook dicts), :mod:`._engine`
 from __future__ import annotations
 
 # Each topic module's __all__ is the package's surface: listed once, there.
-from gradsafe.pipelining._torch import _checkpoint, _engine, _hooks, _nodes, _probe, _state
+from gradsafe.pipelining._torch import (
+    _aot,
+    _checkpoint,
+    _engine,
+    _hooks,
+    _leaf_hooks,
+    _multi_grad_hooks,
+    _nodes,
+    _probe,
+    _state,
+)
+from gradsafe.pipelining._torch._aot import *  # noqa: F403
 from gradsafe.pipelining._torch._checkpoint import *  # noqa: F403
 from gradsafe.pipelining._torch._engine import *  # noqa: F403
 from gradsafe.pipelining._torch._hooks import *  # noqa: F403
+from gradsafe.pipelining._torch._leaf_hooks import *  # noqa: F403
+from gradsafe.pipelining._torch._multi_grad_hooks import *  # noqa: F403
 from gradsafe.pipelining._torch._nodes import *  # noqa: F403
 from gradsafe.pipelining._torch._probe import *  # noqa: F403
 from gradsafe.pipelining._torch._state import *  # noqa: F403
 
 __all__: list[str] = []
+__all__ += _aot.__all__
 __all__ += _checkpoint.__all__
 __all__ += _engine.__all__
 __all__ += _hooks.__all__
+__all__ += _leaf_hooks.__all__
+__all__ += _multi_grad_hooks.__all__
 __all__ += _nodes.__all__
 __all__ += _probe.__all__
 __all__ += _state.__all__

@@ -17,6 +17,11 @@ None, which drops the recomputed tensor. :func:`unpack_twice` lets one
 unpack under a group leave the handle in place, so a node's saved tensors
 unpack once in B and once more in W, both under the microbatch's group:
 the region recomputes once, and W reads the tensors B's recomputation made.
+
+All of that is behaviour of torch's, not API: :mod:`._probe` checks it once
+per process, on a tiny checkpointed region, the first time a policy relies on
+it; where it differs, the policy falls back to ``CheckpointedWeights.IN_B``
+(exact).
 """
 
 from __future__ import annotations
@@ -30,12 +35,24 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import Node
 
-from gradsafe.pipelining._torch._nodes import saved_names, version
+from gradsafe.pipelining._torch._nodes import first_modified, saved_names, version
 
-__all__ = ["KeptRecomputed", "checkpoint_holders", "recomputes_alike", "unpack_twice"]
+__all__ = [
+    "KeptRecomputed",
+    "checkpoint_holders",
+    "recomputes_alike",
+    "unpack_saved",
+    "unpack_twice",
+]
 
-# None on a torch without non-reentrant checkpoint holders: no saved tensor is one.
-_HOLDER: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
+#: The holder class non-reentrant checkpoint packs saved tensors as (read at call time).
+HOLDER_NAME = "_Holder"
+
+
+def _holder_class() -> type | None:
+    """None on a torch without it: no saved tensor is a holder then."""
+    found = getattr(torch.utils.checkpoint, HOLDER_NAME, None)
+    return found if isinstance(found, type) else None
 
 
 def checkpoint_holders(node: Node) -> tuple[tuple[Any, Any], ...] | None:
@@ -53,7 +70,8 @@ def checkpoint_holders(node: Node) -> tuple[tuple[Any, Any], ...] | None:
             if getattr(item, "unpack_hook", None) is None:
                 continue
             packed = item.data
-            if _HOLDER is None or not isinstance(packed, _HOLDER):
+            holder = _holder_class()
+            if holder is None or not isinstance(packed, holder):
                 return None
             holders.append((packed, _closure(item.unpack_hook).get("frame")))
     return tuple(holders)
@@ -102,11 +120,7 @@ class KeptRecomputed:
 
     def modified(self) -> torch.Tensor | None:
         """A kept tensor changed in place since B (None: none did)."""
-        for ref, seen in self._seen:
-            tensor = ref()
-            if tensor is not None and version(tensor) != seen:
-                return tensor
-        return None
+        return first_modified(self._seen)
 
 
 @contextlib.contextmanager
@@ -162,6 +176,13 @@ def recomputes_alike(node: Node) -> bool:
             return False
         hooks += _unpack_hooks(inputs)
     return True
+
+
+def unpack_saved(node: Node) -> list[Any]:
+    """Unpack built-in ``node``'s saved tensors once (``_saved_*``), in the order of :func:`saved_names`."""
+    return [
+        getattr(node, name.replace("_raw_saved_", "_saved_", 1)) for name in saved_names(type(node))
+    ]
 
 
 def _items(saved: Any) -> Sequence[Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -89,7 +90,7 @@ class deferred_callbacks:  # noqa: N801 - a context manager, used as `with defer
 
 
 @contextlib.contextmanager
-def backwards_spare(params: Sequence[torch.Tensor]) -> Iterator[None]:
+def backwards_spare(params: Sequence[torch.Tensor], keep_graphs: bool) -> Iterator[None]:
     """Keep the backwards this context runs (``backward()``, not ``autograd.grad``) off ``params``.
 
     A backward that would accumulate into one of ``params`` (or into any other
@@ -101,8 +102,15 @@ def backwards_spare(params: Sequence[torch.Tensor]) -> Iterator[None]:
     to them. The other leaves get exactly the gradients they would have got.
     A backward that reaches no other leaf is not run. Backwards on other
     threads, and contexts copied before this one was entered, are untouched.
+
+    With ``keep_graphs``, every ``autograd.grad`` (a backward that
+    accumulates nothing: torch's backward to the stage inputs) runs keeping
+    its graph, as a split's B does. A compiled block whose backward first runs
+    there is then compiled by AOTAutograd without donating its saved buffers
+    (it donates only when that first run frees the graph), so a later B can
+    run it; the gradients are the same.
     """
-    token = _SPARED.set(frozenset(id(p) for p in params))
+    token = _SPARED.set(_Spared(frozenset(id(p) for p in params), keep_graphs))
     try:
         with _engine_wrapped():
             yield
@@ -110,7 +118,17 @@ def backwards_spare(params: Sequence[torch.Tensor]) -> Iterator[None]:
         _SPARED.reset(token)
 
 
-_SPARED: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
+@dataclasses.dataclass(frozen=True)
+class _Spared:
+    """What :func:`backwards_spare` does to this thread's backwards."""
+
+    #: ``id`` of each parameter kept out of them.
+    params: frozenset[int]
+    #: Run ``autograd.grad`` keeping its graph.
+    keep_graphs: bool
+
+
+_SPARED: contextvars.ContextVar[_Spared | None] = contextvars.ContextVar(
     "gradsafe_spared_parameters", default=None
 )
 _ENGINE_LOCK = threading.Lock()
@@ -181,7 +199,7 @@ class _Engine:
 
     def _run_spared(
         self,
-        spared: frozenset[int],
+        spared: _Spared,
         tensors: Sequence[Any],
         grad_tensors: Sequence[Any],
         keep_graph: bool,
@@ -191,11 +209,13 @@ class _Engine:
         accumulate_grad: bool = False,
     ) -> Any:
         if accumulate_grad:
-            kept = _unspared_inputs(tensors, inputs, spared)
+            kept = _unspared_inputs(tensors, inputs, spared.params)
             if kept is not None:
                 if not kept:
                     return ()
                 inputs = tuple(kept)
+        elif spared.keep_graphs:
+            keep_graph = True
         return self.engine.run_backward(
             tensors,
             grad_tensors,
@@ -371,13 +391,25 @@ _C_APPLY: Any = (
 _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-#: Why a split backward cannot run a compiled block that donates its saved buffers, and the fix.
+#: What happened where a split backward cannot run a compiled block that donates, and the fixes.
 DONATED_BUFFERS = (
     "a torch.compile'd block in this stage had its backward already compiled donating its "
-    "saved buffers (by a first backward that did not keep the graph, e.g. a fused warm-up "
-    "step), so it can run only once, and a split backward keeps the graph from B for W. Set "
-    "torch._functorch.config.donated_buffer = False before compiling, or let the split run the "
-    "block's first backward (no parameter gradient has changed)."
+    "saved buffers, so that backward can run only once, and a split backward keeps "
+    "the graph from B for W. AOTAutograd compiles a block's backward on the first backward "
+    "through its compiled code and donates when that backward frees the graph; instances of one "
+    "module class compiled alike share that code (torchtitan's transformer blocks do). So the "
+    "backward that did it ran earlier, through this block or another instance of its class, "
+    "and freed the graph: a fused backward (a warm-up or evaluation step, a reference model "
+    "built from the same class, a fused pipeline schedule's step or metadata inference) of code "
+    "compiled before gradsafe.patch(), or a zero-bubble pipeline schedule's stage-metadata "
+    "inference run without gradsafe.patch() (its first step, which backwards through every "
+    "stage but the first before the first microbatch). A region compiled under the patch "
+    "splits its backward, compiled without donation, and gradsafe's own inference under a "
+    "zero-bubble schedule keeps the graph. Fix: apply gradsafe.patch() before the block's first "
+    "compile (torch._dynamo.reset() to recompile one compiled before it) and run the zero-bubble "
+    "schedule's first step under gradsafe.patch() before any fused backward through these "
+    "blocks; or set torch._functorch.config.donated_buffer = False before compiling: then no "
+    "backward donates, which costs memory only (no parameter gradient has changed)."
 )
 
 #: The same, where the donating backward was loaded from torch.compile's on-disk cache.
@@ -385,8 +417,9 @@ DONATED_BUFFERS_FROM_CACHE = (
     "a torch.compile'd block in this stage had its backward loaded from AOTAutograd's on-disk "
     "cache (under TORCHINDUCTOR_CACHE_DIR; by default a torchinductor_<user> directory in the "
     "temporary directory) as an earlier process compiled it, donating its saved buffers (that "
-    "process's first backward of it did not keep the graph, e.g. a fused warm-up step), so it "
-    "can run only once, and a split backward keeps the graph from B for W. Set "
+    "process's first backward through the block's compiled code freed the graph: a fused step, "
+    "or a schedule's stage-metadata inference without gradsafe.patch()), so it can run only "
+    "once, and a split backward keeps the graph from B for W. Set "
     "torch._functorch.config.donated_buffer = False before compiling, or run without that "
     "cache entry (TORCHINDUCTOR_AUTOGRAD_CACHE=0, or TORCHINDUCTOR_FX_GRAPH_CACHE=0, or delete "
     "the cache directory) so that the split runs the block's first backward (no parameter "

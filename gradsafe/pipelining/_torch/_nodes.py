@@ -3,7 +3,7 @@
 Private torch read here: ``Node._input_metadata``; calling a built-in node
 (``node(*grads)``); ``torch._C._FunctionBase`` and ``Node.name()`` (custom
 Functions, ``CopySlices``); ``AccumulateGrad.variable``; ``Tensor._version``
-and ``Tensor._is_view``; ``SavedTensor.unpack_hook`` through a node's
+and ``Tensor._is_view``; ``SavedTensor.unpack_hook`` and ``register_hooks`` through a node's
 ``_raw_saved_*``; AOTAutograd's ``bw_donated_idxs`` / ``compiled_bw``; and
 the weight-only calls that crash a torch release (probed in a subprocess).
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -21,6 +22,7 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
 __all__ = [
+    "first_modified",
     "call_node",
     "crashes_weight_only",
     "backward_from_cache",
@@ -36,6 +38,7 @@ __all__ = [
     "is_view",
     "leaf_variable",
     "refusable_kind",
+    "release_saved",
     "runs_whole",
     "saved_unusable",
     "saves_storage",
@@ -129,6 +132,15 @@ _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr
 def version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter: in-place operations through autograd bump it."""
     return int(tensor._version)
+
+
+def first_modified(seen: Iterable[tuple[weakref.ref[torch.Tensor], int]]) -> torch.Tensor | None:
+    """The first tensor still alive whose version differs from the one recorded with it."""
+    for ref, recorded in seen:
+        tensor = ref()
+        if tensor is not None and version(tensor) != recorded:
+            return tensor
+    return None
 
 
 def is_view(tensor: torch.Tensor) -> bool:
@@ -270,6 +282,53 @@ def saved_names(kind: type) -> tuple[str, ...]:
     # Each built-in node kind is its own class; dir() per node would cost more
     # than the rest of B's bookkeeping for it.
     return tuple(name for name in dir(kind) if name.startswith("_raw_saved_"))
+
+
+_FREED_BY_B = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after "
+    "they have already been freed). gradsafe's stage_backward_input freed this node's saved "
+    "tensors after computing the input gradients, as a fused backward frees them: the split "
+    "backward's W never needs them. Redo the forward for another backward."
+)
+
+
+def _dropped(tensor: torch.Tensor) -> None:
+    return None  # the packed value: the saved tensor is let go
+
+
+def _refuse_unpack(packed: None) -> torch.Tensor:
+    raise RuntimeError(_FREED_BY_B)
+
+
+def release_saved(nodes: Sequence[Node]) -> None:
+    """Free the saved tensors of built-in ``nodes``, as the engine does without ``retain_graph``.
+
+    Each saved tensor gets a pair of saved-tensor hooks whose pack drops it
+    (``SavedTensor.register_hooks`` packs the tensor at once and lets go of
+    its own reference); unpacking it later raises torch's "backward through
+    the graph a second time" error. Custom Functions' nodes, and nodes whose
+    tensors were saved through hooks already (checkpointing, offloading:
+    those hooks decide what is held), are left alone.
+    """
+    for node in nodes:
+        kind = type(node)
+        names = saved_names(kind)
+        if not names or is_python_kind(kind):
+            continue
+        items: list[Any] = []
+        for name in names:  # one pass: each read makes a Python wrapper
+            saved = getattr(node, name)
+            if isinstance(saved, (list, tuple)):
+                items.extend(saved)
+            elif saved is not None:
+                items.append(saved)
+        if any(item.unpack_hook is not None for item in items):
+            continue
+        for item in items:
+            try:
+                item.register_hooks(_dropped, _refuse_unpack)
+            except RuntimeError:  # an undefined (None) or already freed saved tensor
+                continue
 
 
 def call_node(node: Node, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:

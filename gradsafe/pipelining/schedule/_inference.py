@@ -10,6 +10,11 @@ under ``no_grad`` on zeros. A ``loss_fn`` that runs a backward inside itself
 from garbage into the parameters' ``.grad`` before training starts, and
 parameter hooks (optimizer-in-backward, gradient reducers) fire for it; a
 train-mode forward updates BatchNorm statistics; dropout draws from the RNG.
+And a ``torch.compile``'d block whose first backward is the inference's (which
+frees its graph) has that backward compiled donating its saved buffers, so
+no later backward can keep the graph: a zero-bubble schedule's first B
+through the block is refused (torch raises "compiled with non-empty donated
+buffers").
 
 gradsafe makes the inference an observer: inputs built from metadata are
 zeros, and an :class:`InferenceSnapshot` taken before the first stage runs puts
@@ -18,7 +23,11 @@ and ``main_grad``, every module buffer, the weights ``nn.Embedding(max_norm=...)
 renormalises in its forward, and the CPU (and initialised CUDA) RNG state, while
 parameter and module backward hooks are silenced and a backward run inside the
 inference (the loss's) is kept off the parameters, so no parameter's
-``AccumulateGrad`` node, nor any of its hooks, runs. A lazy module's parameters
+``AccumulateGrad`` node, nor any of its hooks, runs. Under a schedule that
+splits backwards (or a stage's own inference), torch's backward to the stage
+inputs keeps its graph, as B does, so a compiled block's backward first run
+there is compiled without donation and the schedule's B and W can run it. A
+lazy module's parameters
 are materialised, as torch's own inference does. What it cannot undo, another
 parameter changed in place (weight clipping in ``loss_fn``), it refuses with
 :class:`MetadataInferenceError`, as it refuses lazy buffers before the inference.
@@ -39,6 +48,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from gradsafe.pipelining import _torch
+from gradsafe.pipelining._handoff import SplitBackwardError
 
 __all__ = [
     "InferenceSnapshot",
@@ -93,14 +103,16 @@ class InferenceSnapshot:
     the caller's tensor), copies ``main_grad``, the buffers and ``max_norm``
     embedding weights, saves the RNG states, silences the parameters' tensor
     and post-accumulate-grad hooks and the modules' backward hooks, and keeps
-    backwards off the parameters (:func:`~gradsafe.pipelining._torch.backwards_spare`).
+    backwards off the parameters (:func:`~gradsafe.pipelining._torch.backwards_spare`),
+    their ``autograd.grad`` keeping its graph where ``keep_graphs``.
     :meth:`restore` reverses all of it and then raises
     :class:`MetadataInferenceError` if another parameter, not lazy, was
     changed in place meanwhile.
     """
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], keep_graphs: bool) -> None:
         self._modules = list(modules)
+        self._keep_graphs = keep_graphs
         self._params: list[_ParamRecord] = []
         self._buffers: list[_BufferRecord] = []
         self._rng: _torch.RngStates | None = None
@@ -108,8 +120,9 @@ class InferenceSnapshot:
         self.state: SnapshotState | None = None
 
     @classmethod
-    def take(cls, modules: Sequence[nn.Module]) -> InferenceSnapshot:
-        snapshot = cls(modules)
+    def take(cls, modules: Sequence[nn.Module], keep_graphs: bool) -> InferenceSnapshot:
+        """Take it; with ``keep_graphs``, ``autograd.grad`` keeps its graph until :meth:`restore`."""
+        snapshot = cls(modules, keep_graphs)
         snapshot._take()
         return snapshot
 
@@ -137,7 +150,7 @@ class InferenceSnapshot:
                     self._buffers.append(_BufferRecord(module, name, buffer, buffer.clone()))
         self._rng = _torch.rng_states()
         self._hooks.enter_context(_torch.silenced_gradient_hooks(params, self._modules))
-        self._hooks.enter_context(_torch.backwards_spare(params))
+        self._hooks.enter_context(_torch.backwards_spare(params, self._keep_graphs))
         for record in self._params:
             record.param.grad = None
         self.state = SnapshotState.TAKEN
@@ -208,13 +221,14 @@ def _names(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> list
 class _Run:
     """One schedule's metadata inference: the snapshot is taken when a stage first runs."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], keep_graphs: bool) -> None:
         self.modules = modules
+        self.keep_graphs = keep_graphs
         self.snapshot: InferenceSnapshot | None = None
 
     def ensure_taken(self) -> None:
         if self.snapshot is None:
-            self.snapshot = InferenceSnapshot.take(self.modules)
+            self.snapshot = InferenceSnapshot.take(self.modules, self.keep_graphs)
 
 
 _CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -242,16 +256,32 @@ def _refuse_lazy_buffers(modules: Sequence[nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def _inference_run(modules: Sequence[nn.Module]) -> Iterator[_Run]:
+def _inference_run(modules: Sequence[nn.Module], keep_graphs: bool) -> Iterator[_Run]:
     _refuse_lazy_buffers(modules)
-    run = _Run(modules)
+    run = _Run(modules, keep_graphs)
     token = _CURRENT.set(run)
     try:
         yield run
+    except RuntimeError as exc:
+        if keep_graphs and _torch.engine_error(exc) == "donated_buffer":
+            # B would refuse the block the same way: say why, and before any step runs.
+            raise SplitBackwardError(_DONATED_AT_INFERENCE) from exc
+        raise
     finally:
         _CURRENT.reset(token)
         if run.snapshot is not None:
             run.snapshot.restore()
+
+
+_DONATED_AT_INFERENCE = (
+    _torch.DONATED_BUFFERS.split(" (no parameter")[0]
+    + " Found while the pipeline schedule inferred its stages' metadata, before the first "
+    "microbatch: under a schedule that splits backwards gradsafe runs that inference's backward "
+    "keeping the graph, as B will. If no backward of the block ran in this process, its "
+    "backward was loaded so from AOTAutograd's on-disk cache (under TORCHINDUCTOR_CACHE_DIR): "
+    "run with TORCHINDUCTOR_AUTOGRAD_CACHE=0 or delete that cache entry, or set "
+    "donated_buffer = False as above (no parameter gradient has changed)."
+)
 
 
 def _loss_modules(loss_fn: object) -> list[nn.Module]:
@@ -268,7 +298,11 @@ def around_schedule_inference(original: Callable[..., Any]) -> Callable[..., Any
     def _initialize_pp_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
         stages = kwargs["stages"] if "stages" in kwargs else args[0]
         modules = [stage.submod for stage in stages]
-        with _inference_run([*modules, *_loss_modules(getattr(self, "_loss_fn", None))]):
+        # A fused schedule's compiled blocks keep AOTAutograd's buffer donation.
+        keep_graphs = _torch.splits_backward(self)
+        with _inference_run(
+            [*modules, *_loss_modules(getattr(self, "_loss_fn", None))], keep_graphs
+        ):
             return original(self, *args, **kwargs)
 
     return _initialize_pp_stages
@@ -283,7 +317,7 @@ def around_stage_inference(original: Callable[..., Any]) -> Callable[..., Any]:
         if run is not None:
             run.ensure_taken()
             return original(self, *args, **kwargs)
-        with _inference_run([self.submod]) as own:
+        with _inference_run([self.submod], keep_graphs=True) as own:
             own.ensure_taken()
             return original(self, *args, **kwargs)
 

@@ -19,6 +19,7 @@ from gradsafe.checks import Outcome
 from gradsafe.pipelining.schedule._one_rank import one_rank_world
 
 __all__ = [
+    "INFERENCE_FIGURE_VARIES",
     "ChunkedHeadLoss",
     "PipelineRun",
     "accumulation_reference",
@@ -206,6 +207,13 @@ def worst_relative_error(run: PipelineRun, reference: PipelineRun) -> tuple[str,
 def norm_and_dropout() -> nn.Module:
     """The first stage's extra layers in the doctor's H6 row: running statistics and RNG draws."""
     return nn.Sequential(nn.BatchNorm1d(_SEQ), nn.Dropout(0.5)).double()
+
+
+INFERENCE_FIGURE_VARIES = (
+    "upstream's figure changes from run to run: torch's metadata inference runs every stage after "
+    "the first on empty tensors (allocated, never initialised), so the gradient it leaves behind "
+    "depends on whatever that memory held; any value other than 0 is the hazard"
+)
 
 
 def inference_leaves_no_trace(schedule: str = "ScheduleInterleaved1F1B") -> Outcome:

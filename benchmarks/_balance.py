@@ -1,8 +1,9 @@
 """How a split divides a stage's backward: matmul FLOPs in B and in W, recomputation, memory between.
 
 The measurement behind docs/pipelining.md's balance table, written once for
-its tests (tests/pipelining/test_pipelining_balance.py) and its benchmark
-(benchmarks/pipelining_balance.py). FLOPs are counted with
+its tests (tests/pipelining/test_pipelining_balance.py, which load it by path)
+and its benchmark (benchmarks/pipelining_balance.py, beside it); no part of the
+package. FLOPs are counted with
 ``torch.utils.flop_counter``'s formulas (matmuls: ``mm``, ``addmm``, ``bmm``
 ...) by :class:`~gradsafe._shared.flops.MatmulFlops` (``FlopCounterMode``'s
 module hooks break a split's B); FLOPs counted while a module's forward runs
