@@ -5,7 +5,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-import _thin
 import pytest
 import torch
 
@@ -13,12 +12,6 @@ from gradsafe.patching import PatchRegistry
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--thin",
-        action="store_true",
-        help="run every test function but fewer cases of wide grids and property tests "
-        "(tests/_thin.py; CI's sessions between the oldest and newest torch)",
-    )
     parser.addoption(
         "--min-passed",
         type=int,
@@ -40,31 +33,50 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--thin"):
-        os.environ[_thin.ENV] = "1"  # read when the test modules (their @settings) are imported
-
-
-def _thinned(config: pytest.Config, items: list[pytest.Item]) -> None:
-    grids: dict[tuple[str, str], list[pytest.Item]] = {}
-    for item in items:
-        name = getattr(item, "originalname", item.name)
-        grids.setdefault((item.nodeid.split("::")[0], name), []).append(item)
-    dropped = {
-        id(item)
-        for cases in grids.values()
-        if len(cases) >= _thin.GRID
-        for i, item in enumerate(cases)
-        if i % _thin.STRIDE
+# The test modules CI runs on every torch release and Python (marker ``per_release``;
+# noxfile.py's SUITES): those whose code path probes or branches on the installed torch
+# (the probes and their drift fallbacks, the patch targets, the compiled split's AOTAutograd
+# hooks, DTensor's factory and strategy tables, the graphed Function's signature, the
+# schedule's metadata inference), the hazard reproductions, and the doctor. Every other
+# test runs on the oldest, the newest and the local torch build.
+PER_RELEASE = frozenset(
+    {
+        "test_doctor.py",
+        "test_doctor_probes.py",
+        "test_patching.py",
+        "pipelining/test_pipelining_autograd_drift.py",
+        "pipelining/test_pipelining_checkpoint_drift.py",
+        "pipelining/test_pipelining_compiled_split.py",
+        "pipelining/test_pipelining_inference.py",
+        "pipelining/test_pipelining_patch_probe.py",
+        "pipelining/test_pipelining_scaling.py",
+        "pipelining/test_pipelining_torch_crashes.py",
+        "pipelining/test_pipelining_zoo.py",
+        "dtensor/test_dtensor_contexts.py",
+        "dtensor/test_dtensor_doctor_row.py",
+        "dtensor/test_dtensor_factory_semantics.py",
+        "dtensor/test_dtensor_hazard_repro.py",
+        "dtensor/test_dtensor_mixed_reduce_ops.py",
+        "dtensor/test_dtensor_strategy_unit.py",
+        "cuda_graphs/test_cuda_graphs_double_backward.py",
+        "cuda_graphs/test_cuda_graphs_probe.py",
+        "cuda_graphs/test_cuda_graphs_te.py",
+        "cuda_graphs/test_graphed_split_stages.py",
+        "wgrad/test_wgrad_hazards.py",
+        "wgrad/test_wgrad_renamed_names.py",
     }
-    if dropped:
-        config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])
-        items[:] = [i for i in items if id(i) not in dropped]
+)
+
+
+def _mark_per_release(items: list[pytest.Item]) -> None:
+    tests = os.path.dirname(__file__)
+    for item in items:
+        if os.path.relpath(item.path, tests).replace(os.sep, "/") in PER_RELEASE:
+            item.add_marker(pytest.mark.per_release)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--thin"):
-        _thinned(config, items)
+    _mark_per_release(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run these on a machine with one)")

@@ -11,7 +11,6 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-from _thin import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -247,7 +246,7 @@ def test_threads_balance(fake: Fake) -> None:
     assert fake.pristine()
 
 
-@settings(max_examples=examples(40), deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     st.lists(
         st.lists(st.sampled_from(["patch", "unpatch", "with", "reuse", "release"]), max_size=12),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from _thin import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -284,9 +283,7 @@ def naive_te_floats(entries: tuple[CaptureEntry, ...]) -> list[float]:
     return [kind_value[e.kind] * (e.chunk + 1) + extra[e.kind] for e in entries]
 
 
-SETTINGS = settings(
-    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

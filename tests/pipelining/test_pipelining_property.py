@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _thin import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -111,7 +110,7 @@ def _run(
 
 # split_checker is a pure function: nothing to reset between examples.
 @settings(
-    max_examples=examples(40),
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from _hook_split import PassThrough
-from _thin import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -198,7 +197,7 @@ def programs(draw: Any) -> tuple[list[str], bool, str, bool, int, bool]:
 
 
 @settings(
-    max_examples=examples(30),
+    max_examples=30,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],

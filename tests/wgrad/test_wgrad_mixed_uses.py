@@ -10,7 +10,6 @@ import itertools
 
 import pytest
 import torch
-from _thin import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +24,7 @@ def test_every_pair_of_uses_is_exact(uses: tuple[Use, Use], microbatches: int) -
     assert check_mixed(uses, microbatches) == []
 
 
-@settings(max_examples=examples(30), deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.sampled_from(USES), min_size=1, max_size=5), st.integers(1, 4))
 def test_any_mix_is_exact(uses: list[Use], microbatches: int) -> None:
     assert check_mixed(uses, microbatches) == []

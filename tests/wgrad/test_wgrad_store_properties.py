@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from _thin import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +23,7 @@ def scenarios(draw):  # type: ignore[no-untyped-def]
     return fused, preexisting_grad, passes, run_order
 
 
-@settings(max_examples=examples(40), deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(scenarios())
 def test_store_accumulates_every_use_exactly_once(scenario) -> None:  # type: ignore[no-untyped-def]
     fused, preexisting_grad, passes, run_order = scenario
