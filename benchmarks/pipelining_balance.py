@@ -20,7 +20,8 @@ policy, the matmul MFLOP in B and W of the middle stages of torchtitan's
 llama3 debugmodel, stages built as ``gradsafe verify --torchtitan`` builds
 them for ZBV on 2 ranks (torchtitan's default selective AC), one microbatch;
 with ``--compile aot_eager`` (or ``inductor``), each transformer block compiled
-in place over its AC wrapper first, as torchtitan's ``--compile.enable`` does.
+in place over its AC wrapper first, as torchtitan's ``--compile.enable`` does,
+once without the patch and once compiled afresh under ``gradsafe.patch()``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from _balance import Split, measure  # beside this script (its folder is on sys.path)
 from torch import nn
 
+import gradsafe
 from gradsafe.pipelining import (
     CheckpointedWeights,
     checkpointed_weights,
@@ -83,14 +85,25 @@ def main() -> None:
 
 
 def torchtitan_stages(backend: str | None) -> None:
+    compiled = f", blocks compiled in place ({backend})" if backend else ""
+    print(f"torchtitan llama3 debugmodel, ZBV on 2 ranks, middle stages, one microbatch{compiled}")
+    if backend is None:
+        _torchtitan_rows(None, "")
+        return
+    # A compiled block splits only if its forward compiled under the patch: both, compiled afresh.
+    _torchtitan_rows(backend, "not patched ")
+    torch._dynamo.reset()
+    with gradsafe.patch():
+        _torchtitan_rows(backend, "patched ")
+
+
+def _torchtitan_rows(backend: str | None, label: str) -> None:
     from gradsafe.verify._torchtitan import build_stages
 
     stages, microbatches, _ = build_stages("llama3", "ZBVZeroBubble", 2)
     for stage in stages:
         for block in getattr(stage, "layers", nn.ModuleDict()).children() if backend else ():
             block.compile(backend=backend, fullgraph=True)  # torchtitan's apply_compile
-    compiled = f", blocks compiled in place ({backend})" if backend else ""
-    print(f"torchtitan llama3 debugmodel, ZBV on 2 ranks, middle stages, one microbatch{compiled}")
     for policy in CheckpointedWeights:
         h: torch.Tensor = microbatches[0][0]
         pairs = []
@@ -107,7 +120,7 @@ def torchtitan_stages(backend: str | None) -> None:
                 stage_backward_weight(params, handoff)
             grads = b.total - b.in_forward + w.total
             print(
-                f"  {policy.name:<15} stage {i}: B {b.total / 1e6:.1f} MFLOP "
+                f"  {label}{policy.name:<15} stage {i}: B {b.total / 1e6:.1f} MFLOP "
                 f"(recomputation {b.in_forward / 1e6:.1f}), W {w.total / 1e6:.1f} MFLOP, "
                 f"W share of backward {w.total / (b.total + w.total):.3f}, of gradients "
                 f"{w.total / grads:.3f}"
