@@ -295,15 +295,17 @@ def splitting_stage2(stage2: Callable[..., Any]) -> Callable[..., Any]:
         graph_capture: Any,
         partition_fn: Any,
         fw_compiler: Any,
-        bw_compiler: Any,
+        bw_compiler: Any = None,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
         is_tensor = _torch.input_is_tensor(aot_state)
+        # As AOTAutograd does: aot_function(f, fw_compiler) compiles the backward with it too.
+        backward_compiler = fw_compiler if bw_compiler is None else bw_compiler
 
         def split_bw_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-            split = _compile_split(bw_compiler, gm, is_tensor)
-            return bw_compiler(gm, example_inputs) if split is None else split
+            split = _compile_split(backward_compiler, gm, is_tensor)
+            return backward_compiler(gm, example_inputs) if split is None else split
 
         return stage2(
             aot_state, graph_capture, partition_fn, fw_compiler, split_bw_compiler, *args, **kwargs

@@ -219,6 +219,29 @@ def test_the_patch_keeps_aotautograds_cache_from_loading_or_storing_a_backward()
         assert aot.should_use_local_autograd_cache()
 
 
+@pytest.mark.usefixtures("patched")
+def test_aot_function_with_only_a_forward_compiler_compiles_its_backward_with_it() -> None:
+    # aot_function(f, fw_compiler) leaves bw_compiler None: AOTAutograd compiles the backward
+    # with fw_compiler, and so must the split's wrapper (it called None, a TypeError).
+    from torch._functorch.aot_autograd import aot_function
+
+    compiled: list[int] = []
+
+    def compiler(gm: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        compiled.append(len(gm.graph.nodes))
+        return gm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(torch.tanh(x @ w).sum(), [x, w])
+    got = torch.autograd.grad(
+        aot_function(lambda a, b: torch.tanh(a @ b), compiler)(x, w).sum(), [x, w]
+    )
+    assert len(compiled) >= 2  # the forward and the backward, both by fw_compiler
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
 def test_a_parameter_reaching_the_region_through_a_view_is_exact(
     fp64: None,
 ) -> None:
