@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -292,7 +293,7 @@ def splitting_stage2(stage2: Callable[..., Any]) -> Callable[..., Any]:
 
     def aot_stage2_compile(
         aot_state: Any,
-        graph_capture: Any,
+        aot_graph_capture: Any,
         partition_fn: Any,
         fw_compiler: Any,
         bw_compiler: Any = None,
@@ -308,13 +309,21 @@ def splitting_stage2(stage2: Callable[..., Any]) -> Callable[..., Any]:
             return backward_compiler(gm, example_inputs) if split is None else split
 
         return stage2(
-            aot_state, graph_capture, partition_fn, fw_compiler, split_bw_compiler, *args, **kwargs
+            aot_state,
+            aot_graph_capture,
+            partition_fn,
+            fw_compiler,
+            split_bw_compiler,
+            *args,
+            **kwargs,
         )
 
     return aot_stage2_compile
 
 
-_announced: set[int] = set()
+# The regions warned about, by their node class (one per compiled region): weak, so a class
+# freed with its region cannot hide a later region's warning by a reused id.
+_announced: weakref.WeakSet[type] = weakref.WeakSet()
 _announced_lock = threading.Lock()
 
 
@@ -327,15 +336,23 @@ def announce_unsplit(nodes: Iterable[Node]) -> None:
         if compiled is None or isinstance(compiled, SplitCompiledBackward):
             continue
         with _announced_lock:
-            if id(type(node)) in _announced:
+            if type(node) in _announced:
                 continue
-            _announced.add(id(type(node)))
+            _announced.add(type(node))
+        unsupported = _torch.compiled_split_unsupported()
         _warn(
-            "a torch.compile'd region's backward was compiled without gradsafe's split (its "
-            "forward was compiled before gradsafe.patch(), or loaded from AOTAutograd's cache "
-            "as a process without the patch compiled it), so B runs it whole and W gets none of "
-            "its weight gradients (exact, but no zero-bubble balance). Apply gradsafe.patch() "
-            "before the region's first forward (torch._dynamo.reset() to recompile)."
+            "a torch.compile'd region's backward was compiled without gradsafe's split, so B "
+            "runs it whole and W gets none of its weight gradients (exact, but no zero-bubble "
+            "balance). "
+            + (
+                f"This torch's AOTAutograd is not what the split wraps ({unsupported}): "
+                "`gradsafe doctor` lists it; compiled regions run whole in B here."
+                if unsupported
+                else "Its forward was compiled before gradsafe.patch(), or loaded from "
+                "AOTAutograd's cache as a process without the patch compiled it. Apply "
+                "gradsafe.patch() before the region's first forward (torch._dynamo.reset() to "
+                "recompile)."
+            )
         )
 
 

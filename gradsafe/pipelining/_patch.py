@@ -95,6 +95,14 @@ PROBES: tuple[Probe, ...] = (
         "CheckpointedWeights.RECOMPUTE_IN_W runs as IN_B (exact), warning once",
         _torch.recompute_alike_unsupported,
     ),
+    Probe(
+        "compiled regions: AOTAutograd's backward compiler takes the split's graphs",
+        "pipelining",
+        "torch.compile'd regions run their backward whole in B (exact; W gets none of their "
+        "weight gradients), warning once per region, and zero-bubble schedules keep torch's "
+        "refusal of compiled stages",
+        _torch.compiled_split_unsupported,
+    ),
 )
 
 
@@ -176,10 +184,10 @@ def _compiled_targets(schedules: Any) -> list[Target]:
     installed AOTAutograd has what the split wraps; then zero-bubble schedules take compiled stages."""
     import importlib
 
+    if _torch.compiled_split_unsupported() is not None:
+        return []  # compiled regions run whole in B, announced there; the doctor's probe says why
     aot = importlib.import_module(_torch.AOT_MODULE)
-    stage2 = getattr(aot, _torch.STAGE2, None)
-    if stage2 is None or not all(hasattr(aot, name) for name in _torch.CACHE_SWITCHES):
-        return []  # compiled regions run whole in B, announced there
+    stage2 = getattr(aot, _torch.STAGE2)
     targets: list[Target] = [
         AttrTarget(_torch.AOT_MODULE, _torch.STAGE2, _compiled.splitting_stage2(stage2))
     ]

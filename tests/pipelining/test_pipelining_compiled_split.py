@@ -207,6 +207,53 @@ def _region_compiled_before_the_patch(tmp_path: Path, monkeypatch: pytest.Monkey
     torch._dynamo.reset()
 
 
+def test_a_drifted_aot_stage2_leaves_compiled_regions_whole_in_b_exactly_naming_why(
+    fp64: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: object
+) -> None:
+    # A torch whose aot_stage2_compile takes other parameters: the split is not installed (the
+    # doctor's probe names the difference), compiled regions run whole in B, exact, one warning
+    # per region saying why, and zero-bubble schedules keep torch's refusal of compiled stages.
+    # (fresh_registry: the patch plans afresh, on the drifted torch.)
+    import torch._functorch.aot_autograd as aot
+
+    from gradsafe.pipelining import _torch
+
+    original = aot.aot_stage2_compile
+
+    def drifted(state: Any, capture: Any, partition: Any, fw: Any, *rest: Any) -> Any:
+        return original(state, capture, partition, fw, *rest)
+
+    monkeypatch.setattr(aot, "aot_stage2_compile", drifted)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    why = _torch.compiled_split_unsupported()
+    assert why is not None and "aot_stage2_compile takes" in why, why
+    torch._dynamo.reset()
+    blocks, eager, compiled = _stages("wrapped", "aot_eager")
+    params = list(blocks.parameters())
+    x, g = torch.randn(D, D, requires_grad=True), torch.randn(D, D)
+    reference, _ = _fused(eager, params, x, g)
+    module, check = _torch.COMPILE_CHECK
+    with (
+        torch._functorch.config.patch(donated_buffer=False),
+        gradsafe.patch("pipelining"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        assert aot.aot_stage2_compile is drifted
+        assert not gradsafe.is_object_patched(module, check)
+        y = compiled(x)
+        with MatmulFlops() as flops:
+            flops.phase = "B"
+            (dx,), handoff = stage_backward_input([y], [g], [x], params)
+            flops.phase = "W"
+            stage_backward_weight(params, handoff)
+    assert _max_rel([dx, *(p.grad for p in params)], reference) <= 1e-12  # type: ignore[misc]
+    assert flops.counts.get("W", 0) == 0 and flops.counts["B"] > 0
+    messages = [str(w.message) for w in caught if "not what the split wraps" in str(w.message)]
+    assert len(messages) == 1 and "aot_stage2_compile takes" in messages[0], messages
+    torch._dynamo.reset()
+
+
 def test_the_patch_keeps_aotautograds_cache_from_loading_or_storing_a_backward() -> None:
     import torch._functorch.aot_autograd as aot
 

@@ -41,6 +41,7 @@ __all__ = [
     "STAGE2",
     "call_compiled",
     "compiled_backward_of",
+    "compiled_split_unsupported",
     "current_node",
     "input_is_tensor",
     "is_compiled_region",
@@ -54,6 +55,47 @@ STAGE2 = "aot_stage2_compile"
 CACHE_SWITCHES = ("should_use_local_autograd_cache", "should_use_remote_autograd_cache")
 #: The zero-bubble schedules' refusal of compiled stages (torch 2.12+).
 COMPILE_CHECK = ("torch.distributed.pipelining.schedules", "_check_torch_compile_compatibility")
+
+
+#: aot_stage2_compile's leading parameters, as the split's wrapper takes them.
+STAGE2_PARAMETERS = ("aot_state", "aot_graph_capture", "partition_fn", "fw_compiler", "bw_compiler")
+_SCHEMAS = "torch._functorch._aot_autograd.schemas"
+_METADATA_FIELDS = ("static_input_indices", "bw_donated_idxs", "input_info")
+
+
+def compiled_split_unsupported() -> str | None:
+    """How the installed AOTAutograd differs from what the compiled-region split wraps and reads.
+
+    Checked by name, signature and schema field (watching a region compile
+    split would cost seconds of compilation wherever this runs). What is read
+    only while a backward compiles falls back there on its own: a region whose
+    forward metadata is missing compiles whole, and B warns once for it.
+    """
+    import dataclasses
+    import importlib
+    import inspect
+
+    try:
+        aot = importlib.import_module(AOT_MODULE)
+        schemas = importlib.import_module(_SCHEMAS)
+    except ImportError as exc:
+        return f"AOTAutograd does not import: {exc}"
+    missing = [name for name in (STAGE2, *CACHE_SWITCHES) if not callable(getattr(aot, name, None))]
+    if missing:
+        return f"{AOT_MODULE} has no {', '.join(missing)}"
+    taken = tuple(inspect.signature(getattr(aot, STAGE2)).parameters)[: len(STAGE2_PARAMETERS)]
+    if taken != STAGE2_PARAMETERS:
+        return f"{AOT_MODULE}.{STAGE2} takes {taken}, not {STAGE2_PARAMETERS}"
+    for cls, wanted in (
+        (getattr(schemas, "ViewAndMutationMeta", None), _METADATA_FIELDS),
+        (getattr(schemas, "AOTState", None), ("flat_args",)),
+    ):
+        fields = (
+            {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        )
+        if not set(wanted) <= fields:
+            return f"{_SCHEMAS} has no {', '.join(sorted(set(wanted) - fields))} where read"
+    return None
 
 
 def input_is_tensor(aot_state: Any) -> tuple[bool, ...] | None:
