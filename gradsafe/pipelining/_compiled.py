@@ -33,11 +33,12 @@ accumulator. AOTAutograd's cache is off for regions compiled under the patch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "Partition",
     "SplitCompiledBackward",
     "announce_unsplit",
+    "watching_unsplit",
     "no_autograd_cache",
     "partition",
     "splitting_stage2",
@@ -327,6 +329,23 @@ _announced: weakref.WeakSet[type] = weakref.WeakSet()
 _announced_lock = threading.Lock()
 
 
+# Per thread (B runs on the thread that calls it), the sets of :func:`watching_unsplit` open there.
+_watching = threading.local()
+
+
+@contextlib.contextmanager
+def watching_unsplit() -> Iterator[set[type]]:
+    """Collect, in the set it yields, the node class of every compiled region whose backward a
+    B on this thread runs whole while the block is open (each time, not once per process)."""
+    seen: set[type] = set()
+    open_sets: list[set[type]] = _watching.__dict__.setdefault("sets", [])
+    open_sets.append(seen)
+    try:
+        yield seen
+    finally:
+        open_sets.remove(seen)
+
+
 def announce_unsplit(nodes: Iterable[Node]) -> None:
     """Warn, once per region, for each compiled region among ``nodes`` whose backward ran whole in B."""
     for node in nodes:
@@ -335,6 +354,8 @@ def announce_unsplit(nodes: Iterable[Node]) -> None:
         compiled = _torch.compiled_backward_of(node)
         if compiled is None or isinstance(compiled, SplitCompiledBackward):
             continue
+        for seen in _watching.__dict__.get("sets", ()):
+            seen.add(type(node))
         with _announced_lock:
             if type(node) in _announced:
                 continue

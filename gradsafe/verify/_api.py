@@ -274,6 +274,7 @@ def _stage_work(
         b_recomputed_flops=b_again,
         w_recomputed_flops=w_again,
         w_share_of_gradients=(w - w_again) / gradients if gradients else None,
+        unsplit_compiled=run.unsplit_compiled.get(stage, 0),
     )
     if uncheckpointed is None:
         return measured

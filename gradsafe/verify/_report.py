@@ -140,6 +140,7 @@ class WorkShare:
     b_recomputed_flops: int = 0  # of b_flops, run inside a recomputed forward
     w_recomputed_flops: int = 0  # of w_flops, likewise
     w_share_of_gradients: float | None = None  # recomputation left out; None without any
+    unsplit_compiled: int = 0  # torch.compile'd regions whose backward B ran whole
 
 
 # The two modes of ``gradsafe verify``: what the checks (``VerifyReport.checks``) are.
@@ -489,6 +490,14 @@ def _work_lines(work: Mapping[str, Mapping[str, tuple[WorkShare, ...]]]) -> list
             f"ones in W: {doc('pipelining.md')}) or B's recomputation is most of the work "
             "(matmuls with no weight gradient recomputed, such as a table built in the forward)."
         )
+    whole = {w.stage: w.unsplit_compiled for w in shares if w.unsplit_compiled}
+    lines += [
+        f"  stage {stage}: {count} torch.compile'd region(s) ran their backward whole in B, "
+        "compiled without gradsafe's split (before gradsafe.patch(), or on a torch whose "
+        "AOTAutograd the split does not fit: `gradsafe doctor` says which), so W gets none of "
+        "their weight gradients."
+        for stage, count in sorted(whole.items())
+    ]
     missing = {w.not_measured for w in shares if w.not_measured}
     lines += [f"  Uncheckpointed share not measured: {why}." for why in missing]
     return lines

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 
 from gradsafe._shared.flops import MatmulFlops
 from gradsafe._shared.live_storage import LiveStorage
-from gradsafe.pipelining.inspection import apply_to_tensors
+from gradsafe.pipelining.inspection import apply_to_tensors, watching_unsplit
 from gradsafe.verify import _graph_scan, _isolate
 from gradsafe.verify._hooks import HookCounter, parameter_hooks
 from gradsafe.wgrad.markers import grad_lifetime_is_managed
@@ -82,6 +82,9 @@ class RunResult:
     # them run inside a module's forward (recomputation).
     flops: dict[tuple[str, int], int] | None = None
     recomputed_flops: dict[tuple[str, int], int] | None = None
+    # Per stage, the torch.compile'd regions whose backward a B ran whole (compiled without
+    # gradsafe's split): W gets none of their weight gradients.
+    unsplit_compiled: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def refuse_gradients_kept_elsewhere(modules: Sequence[nn.Module]) -> None:
@@ -246,7 +249,7 @@ def _run(
     flops = MatmulFlops(forwards=True) if work else None
     clock = _BackwardClock(any(p.is_cuda for c in copies for p in c.parameters()), flops)
     try:
-        with _entered(live, flops):
+        with contextlib.nullcontext() if live is None else live:
             for step in events(order, n, len(microbatches)):
                 kind, s, k = step
                 if kind == "F":
@@ -270,21 +273,12 @@ def _run(
     finally:
         counter.in_backward = False
     result.timing = (clock.wall, clock.cpu)
+    result.unsplit_compiled = {s: len(regions) for s, regions in clock.unsplit.items() if regions}
     _record_work(result, flops)
     result.peak_bytes = None if live is None else live.peak
     _record_gradients(copies, prefixes, inputs, dinputs, result, held)
     _record_values(modules, copies, prefixes, result)
     return result
-
-
-@contextlib.contextmanager
-def _entered(*modes: Any) -> Iterator[None]:
-    """Inside each of ``modes`` that is not None (the counting dispatch modes a run asked for)."""
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
-            if mode is not None:
-                stack.enter_context(mode)
-        yield
 
 
 def _storage_counter(
@@ -335,7 +329,8 @@ def _record_work(result: RunResult, flops: MatmulFlops | None) -> None:
 
 
 class _BackwardClock:
-    """Wall and CPU seconds summed over a run's backward steps.
+    """Wall and CPU seconds summed over a run's backward steps, and per stage the compiled
+    regions its steps ran whole (``unsplit``).
 
     Autograd runs CUDA nodes on a device thread: on CUDA the process's CPU time
     is counted, and the device is waited for so that wall time covers the kernels.
@@ -346,6 +341,7 @@ class _BackwardClock:
         self._cpu_clock = time.process_time if cuda else time.thread_time
         self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
         self.flops = flops  # with it, each step's matmul FLOPs, under (kind, stage)
+        self.unsplit: dict[int, set[type]] = {}
 
     @contextlib.contextmanager
     def timing(self, kind: str, stage: int) -> Iterator[None]:
@@ -354,7 +350,12 @@ class _BackwardClock:
         if self.flops is not None:
             self.flops.phase = (kind, stage)
         started, started_cpu = time.perf_counter(), self._cpu_clock()
-        yield
+        # The FLOP counter is a dispatch mode: active only here, so that the forwards of
+        # torch.compile'd blocks run compiled (dynamo runs a frame eagerly under a mode).
+        counting = contextlib.nullcontext() if self.flops is None else self.flops
+        with watching_unsplit() as whole, counting:
+            yield
+        self.unsplit.setdefault(stage, set()).update(whole)
         self.cpu += self._cpu_clock() - started_cpu  # before the wait: it may spin
         self._sync()
         self.wall += time.perf_counter() - started
