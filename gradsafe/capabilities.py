@@ -141,10 +141,16 @@ def _pipelining_probes() -> tuple[Probe, ...]:
     return PROBES
 
 
+def _wgrad_probes() -> tuple[Probe, ...]:
+    from gradsafe.wgrad._hazards import PROBES
+
+    return PROBES
+
+
 #: In the order the doctor shows them.
 CAPABILITIES: Final[tuple[Capability, ...]] = (
     Capability("pipelining", PIPELINING, _pipelining_hazards, _pipelining_probes),
     Capability("dtensor", DTENSOR, _dtensor_hazards),
     Capability("cuda_graphs", CUDA_GRAPHS, _cuda_graphs_hazards),
-    Capability("wgrad", None, _wgrad_hazards),
+    Capability("wgrad", None, _wgrad_hazards, _wgrad_probes),
 )

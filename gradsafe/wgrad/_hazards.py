@@ -1,6 +1,7 @@
 """H4, reproduced once: what a fused or delayed custom backward returns in the weight slot.
 
-Used by ``gradsafe doctor`` (:data:`CHECKS`), the tests and the benchmarks.
+Used by ``gradsafe doctor`` (:data:`CHECKS`, and :data:`PROBES`: the behaviour of
+torch the policy relies on), the tests and the benchmarks.
 Nothing here is installed upstream code: the "upstream" side is a model of
 TransformerEngine's policy as its source describes it (vanilla -> wgrad;
 delayed -> None; fused into ``main_grad`` -> a cached full-size dummy if the
@@ -28,13 +29,14 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsafe._shared.megatron_ddp import HookCall, MegatronStyleDDP
-from gradsafe.checks import Check, Outcome
+from gradsafe.checks import Check, Outcome, Probe
 from gradsafe.wgrad._policy import wgrad_return
 from gradsafe.wgrad._store import GradReadyHook, WeightGradClosure, WeightGradStore
+from gradsafe.wgrad._torch import graph_task_ids_differ
 from gradsafe.wgrad.markers import mark_delayed_wgrad
 from gradsafe.wgrad.megatron import module_of
 
-__all__ = ["CHECKS"]
+__all__ = ["CHECKS", "PROBES"]
 
 _TE_MODEL = "model of TransformerEngine's policy (not installed)"
 
@@ -651,5 +653,16 @@ CHECKS = (
         lambda: _mixed(TE_KERNEL, TEStyleStore),
         lambda: _mixed(GRADSAFE_KERNEL, WeightGradStore),
         upstream_source=_TE_MODEL,
+    ),
+)
+
+
+PROBES = (
+    Probe(
+        "wgrad_return: one graph-task id per backward call",
+        "wgrad",
+        "every wgrad_return of a flagged parameter returns a zero dummy of its own (exact: "
+        "zeros added; one transient parameter-sized buffer per call, not per backward)",
+        graph_task_ids_differ,
     ),
 )
