@@ -89,6 +89,15 @@ def _hooks_read_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.Tensor, "_backward_hooks", property(get, set_))
 
 
+def _engine_says_it_executes_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The query answers True for any node: B could no longer tell which hooks a capture runs.
+    monkeypatch.setattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+
+def _engine_query_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+
+
 DRIFTS = {
     "a leaf's hook dict read from elsewhere": (
         _hooks_read_elsewhere,
@@ -97,6 +106,11 @@ DRIFTS = {
     "RemovableHandle.hooks_dict_ref renamed": (_hooks_dict_renamed, "hook"),
     "the engine's run_backward renamed": (_engine_entry_renamed, "GradientEdge roots"),
     "inputs= no longer spares a parameter": (_engine_ignores_inputs, "reaches the parameter"),
+    "_will_engine_execute_node answers True for any node": (
+        _engine_says_it_executes_every_node,
+        "what it executes",
+    ),
+    "_will_engine_execute_node missing": (_engine_query_missing, "what it executes"),
 }
 
 

@@ -68,8 +68,42 @@ def missing_feature() -> str | None:
             return f"the autograd engine does not take GradientEdge roots ({exc})"
         return (
             _missing_hook_introspection(node, x, w)
+            or _missing_engine_queries()
             or _missing_sparing()
             or _missing_hook_silencing()
+        )
+    return None
+
+
+def _missing_engine_queries() -> str | None:
+    """Whether a hook can ask the running backward which nodes it executes and which node is
+    running (``_will_engine_execute_node``, ``_current_autograd_node``): B's leaf and
+    multi-grad hooks decide by them what a capture may run."""
+    x = torch.ones(2, device="cpu", requires_grad=True)
+    w = torch.ones(2, device="cpu", requires_grad=True)
+    a, b = x * 2, w * 3
+    y = a + b
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        seen.append(
+            (
+                bool(torch._C._will_engine_execute_node(a.grad_fn)),  # type: ignore[arg-type]
+                bool(torch._C._will_engine_execute_node(b.grad_fn)),  # type: ignore[arg-type]
+                torch._C._current_autograd_node() is y.grad_fn,
+            )
+        )
+
+    y.register_hook(hook)
+    try:
+        torch.autograd.grad(y.sum(), [x])
+    except (AttributeError, RuntimeError, TypeError) as exc:
+        return f"a hook cannot ask the running backward what it executes ({exc})"
+    if seen != [(True, False, True)]:
+        return (
+            "a hook asking the running backward (inputs=[x]) what it executes was told "
+            f"(x's branch, the other branch, the hooked node running) = {seen}, not "
+            "[(True, False, True)]"
         )
     return None
 
