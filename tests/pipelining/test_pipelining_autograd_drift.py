@@ -94,6 +94,13 @@ def _engine_says_it_executes_every_node(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(torch._C, "_will_engine_execute_node", lambda node: True)
 
 
+def _custom_function_mark_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Custom Functions' nodes derive from another base class: they would read as built-in.
+    from gradsafe.pipelining._torch import _nodes
+
+    monkeypatch.setattr(_nodes.torch._C, "_FunctionBase", type("_Renamed", (), {}))
+
+
 def _engine_query_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch._C, "_will_engine_execute_node")
 
@@ -111,6 +118,10 @@ DRIFTS = {
         "what it executes",
     ),
     "_will_engine_execute_node missing": (_engine_query_missing, "what it executes"),
+    "custom Functions' node base class renamed": (
+        _custom_function_mark_renamed,
+        "not told from a built-in one",
+    ),
 }
 
 

@@ -30,7 +30,7 @@ from gradsafe.pipelining._torch._engine import backwards_spare, exec_group, run_
 from gradsafe.pipelining._torch._hooks import has_other_post_hooks
 from gradsafe.pipelining._torch._leaf_hooks import silenced_tensor_hooks
 from gradsafe.pipelining._torch._multi_grad_hooks import multi_grad_hook_spans
-from gradsafe.pipelining._torch._nodes import call_node, leaf_variable
+from gradsafe.pipelining._torch._nodes import call_node, leaf_variable, runs_whole
 
 __all__ = [
     "missing_feature",
@@ -68,10 +68,33 @@ def missing_feature() -> str | None:
             return f"the autograd engine does not take GradientEdge roots ({exc})"
         return (
             _missing_hook_introspection(node, x, w)
+            or _missing_custom_function_marks(x)
             or _missing_engine_queries()
             or _missing_sparing()
             or _missing_hook_silencing()
         )
+    return None
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom Function, to see that its node is told from a built-in one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+def _missing_custom_function_marks(x: torch.Tensor) -> str | None:
+    """Whether a custom Function's node is told from a built-in one: B runs a custom
+    Function's backward whole (calling it again for its weight part would run user code twice),
+    and would split one it took for built-in."""
+    custom, builtin = _Doubled.apply(x).grad_fn, (x * 2).grad_fn
+    if custom is None or builtin is None or not runs_whole(custom) or runs_whole(builtin):
+        return "a custom autograd.Function's node is not told from a built-in one"
     return None
 
 
