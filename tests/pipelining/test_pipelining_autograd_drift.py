@@ -101,6 +101,14 @@ def _custom_function_mark_renamed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_nodes.torch._C, "_FunctionBase", type("_Renamed", (), {}))
 
 
+def _version_counter_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-place changes no longer bump it: W could not see a tensor B recorded change.
+    from gradsafe.pipelining._torch import _nodes
+
+    monkeypatch.setattr(_nodes, "version", lambda tensor: 0)
+    monkeypatch.setattr("gradsafe.pipelining._torch._probe.version", lambda tensor: 0)
+
+
 def _engine_query_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch._C, "_will_engine_execute_node")
 
@@ -118,6 +126,10 @@ DRIFTS = {
         "what it executes",
     ),
     "_will_engine_execute_node missing": (_engine_query_missing, "what it executes"),
+    "the version counter no longer counts in-place changes": (
+        _version_counter_frozen,
+        "version counter",
+    ),
     "custom Functions' node base class renamed": (
         _custom_function_mark_renamed,
         "not told from a built-in one",

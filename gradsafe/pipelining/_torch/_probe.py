@@ -30,7 +30,7 @@ from gradsafe.pipelining._torch._engine import backwards_spare, exec_group, run_
 from gradsafe.pipelining._torch._hooks import has_other_post_hooks
 from gradsafe.pipelining._torch._leaf_hooks import silenced_tensor_hooks
 from gradsafe.pipelining._torch._multi_grad_hooks import multi_grad_hook_spans
-from gradsafe.pipelining._torch._nodes import call_node, leaf_variable, runs_whole
+from gradsafe.pipelining._torch._nodes import call_node, is_view, leaf_variable, runs_whole, version
 
 __all__ = [
     "missing_feature",
@@ -69,6 +69,7 @@ def missing_feature() -> str | None:
         return (
             _missing_hook_introspection(node, x, w)
             or _missing_custom_function_marks(x)
+            or _missing_version_counter()
             or _missing_engine_queries()
             or _missing_sparing()
             or _missing_hook_silencing()
@@ -95,6 +96,20 @@ def _missing_custom_function_marks(x: torch.Tensor) -> str | None:
     custom, builtin = _Doubled.apply(x).grad_fn, (x * 2).grad_fn
     if custom is None or builtin is None or not runs_whole(custom) or runs_whole(builtin):
         return "a custom autograd.Function's node is not told from a built-in one"
+    return None
+
+
+def _missing_version_counter() -> str | None:
+    """Whether in-place changes bump a tensor's version counter, shared with its views: W
+    refuses a tensor B recorded that changed since (a parameter an optimizer stepped, a stage
+    input overwritten), and would otherwise compute with the new values silently."""
+    base = torch.zeros(2, device="cpu")
+    view = base[:1]
+    before = version(base)
+    base.add_(1)
+    view.mul_(2)
+    if not is_view(view) or is_view(base) or not version(base) == version(view) == before + 2:
+        return "in-place changes do not bump a tensor's version counter, shared with its views"
     return None
 
 
