@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
 import warnings
 import weakref
@@ -88,37 +89,80 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
     return seen
 
 
+# Namespaces whose operators say by their tags whether they draw random numbers.
+_TAGGED_NAMESPACES = frozenset({"aten", "prims"})
+
+
 def _must_run_in_b(node: fx.Node) -> bool:
-    """Side effects and random draws stay where the fused backward has them, in B's graph."""
+    """Side effects and random draws stay where the fused backward has them, in B's graph.
+
+    An operator outside aten and prims (a custom op, a higher-order op) may draw from the
+    global generator untagged: in W it would draw later, shifting the next microbatch's
+    dropout masks. So it runs in B; ``operator.getitem`` is pure.
+    """
     if node.op != "call_function":
         return node.op not in ("placeholder", "get_attr", "output")
-    tags = getattr(node.target, "tags", ())
-    return node.is_impure() or torch.Tag.nondeterministic_seeded in tags
+    if node.target is operator.getitem:
+        return False
+    if node.is_impure():
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    if node.target.namespace not in _TAGGED_NAMESPACES:
+        return True
+    return torch.Tag.nondeterministic_seeded in node.target.tags
 
 
-def partition(gm: fx.GraphModule, weight_inputs: frozenset[int]) -> Partition | None:
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes one of its arguments in place (``copy_``, ``add_``, ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments
+    )
+
+
+# Why a region's backward was compiled whole (``partition``'s answer when it cannot cut).
+NO_WEIGHT_GRADIENTS = "none of its outputs is a parameter's gradient"
+WRITES_IN_PLACE = (
+    "its backward writes a tensor in place, which a weight gradient might read after the write"
+)
+NO_WEIGHT_ONLY_WORK = (
+    "its weight gradients come out of the kernels that compute its input gradients (a "
+    "convolution's backward), or of operators that run in B (random draws, custom ops)"
+)
+NO_METADATA = "AOTAutograd gave no forward metadata for it"
+
+
+def partition(gm: fx.GraphModule, weight_inputs: frozenset[int]) -> Partition | str:
     """Cut ``gm`` (a backward graph, one output per forward input) into dI and dW.
 
-    ``weight_inputs``: the forward inputs whose gradients go to W. None where
-    no such gradient is computed by a node of the graph (nothing to split).
+    ``weight_inputs``: the forward inputs whose gradients go to W. Where it
+    cannot cut, why (one of the reasons above): the backward then runs whole in B.
     """
+    if any(n.op == "call_function" and _mutates(n) for n in gm.graph.nodes):
+        # A write in place may land (in dI) before a weight gradient reads the old value
+        # (in dW): the whole backward runs in B, as compiled.
+        return WRITES_IN_PLACE
     output = next(iter(reversed(gm.graph.nodes)))
     grads = list(output.args[0])
     weight_slots = tuple(
         i for i in sorted(weight_inputs) if i < len(grads) and isinstance(grads[i], fx.Node)
     )
     if not weight_slots:
-        return None
+        return NO_WEIGHT_GRADIENTS
     input_grads = [g for i, g in enumerate(grads) if i not in weight_slots]
     in_b = _ancestors(g for g in input_grads if isinstance(g, fx.Node))
     in_b |= _ancestors(n for n in gm.graph.nodes if _must_run_in_b(n) and n not in in_b)
+    # B hands dW tensors, never a tuple: the items of a multi-output node B runs
+    # (convolution_backward's weight and bias gradients) are taken in B.
+    in_b |= {n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in in_b}
     in_w = [
         n
         for n in _ancestors(grads[i] for i in weight_slots)
         if n not in in_b and n.op == "call_function"
     ]
     if not in_w:
-        return None  # every weight gradient is a by-product of the input gradients
+        return NO_WEIGHT_ONLY_WORK
     w_set = set(in_w)
     reads = {p for n in in_w for p in n.all_input_nodes if p not in w_set}
     reads |= {grads[i] for i in weight_slots if grads[i] not in w_set}
@@ -179,14 +223,15 @@ def _example(node: fx.Node) -> Any:
 
 def _compile_split(
     compiler: Callable[..., Any], gm: fx.GraphModule, is_tensor: tuple[bool, ...] | None
-) -> object | None:
+) -> SplitCompiledBackward | str:
+    """The region's backward compiled split, or why it is not (then it compiles whole)."""
     metadata = _torch.region_metadata()
     if metadata is None or is_tensor is None or len(is_tensor) != metadata[1]:
-        return None
+        return NO_METADATA
     weight_inputs = frozenset(i for i in metadata[0] if is_tensor[i])
     cut = partition(gm, weight_inputs)
-    if cut is None:
-        return None
+    if isinstance(cut, str):
+        return cut
     di = compiler(cut.di, [_example(n) for n in cut.di.graph.find_nodes(op="placeholder")])
     dw = compiler(cut.dw, [_example(n) for n in cut.dw.graph.find_nodes(op="placeholder")])
     return SplitCompiledBackward(di, dw, cut, is_tensor)
@@ -308,7 +353,12 @@ def splitting_stage2(stage2: Callable[..., Any]) -> Callable[..., Any]:
 
         def split_bw_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
             split = _compile_split(backward_compiler, gm, is_tensor)
-            return backward_compiler(gm, example_inputs) if split is None else split
+            if not isinstance(split, str):
+                return split
+            whole = backward_compiler(gm, example_inputs)
+            with contextlib.suppress(TypeError):  # an object without weak references: generic words
+                _declined[whole] = split
+            return whole
 
         return stage2(
             aot_state,
@@ -322,6 +372,9 @@ def splitting_stage2(stage2: Callable[..., Any]) -> Callable[..., Any]:
 
     return aot_stage2_compile
 
+
+# Why each backward compiled under the patch was compiled whole, by the compiled object.
+_declined: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 # The regions warned about, by their node class (one per compiled region): weak, so a class
 # freed with its region cannot hide a later region's warning by a reused id.
@@ -347,34 +400,51 @@ def watching_unsplit() -> Iterator[set[type]]:
 
 
 def announce_unsplit(nodes: Iterable[Node]) -> None:
-    """Warn, once per region, for each compiled region among ``nodes`` whose backward ran whole in B."""
+    """Warn, once per region, for each compiled region among ``nodes`` whose backward ran whole in
+    B although it computes parameters' gradients (W gets none of them), saying why."""
     for node in nodes:
         if not _torch.is_compiled_region(node):
             continue
         compiled = _torch.compiled_backward_of(node)
         if compiled is None or isinstance(compiled, SplitCompiledBackward):
             continue
+        declined = _declined_reason(compiled)
+        if declined == NO_WEIGHT_GRADIENTS:
+            continue  # nothing of it belongs in W
         for seen in _watching.__dict__.get("sets", ()):
             seen.add(type(node))
         with _announced_lock:
             if type(node) in _announced:
                 continue
             _announced.add(type(node))
-        unsupported = _torch.compiled_split_unsupported()
         _warn(
             "a torch.compile'd region's backward was compiled without gradsafe's split, so B "
             "runs it whole and W gets none of its weight gradients (exact, but no zero-bubble "
-            "balance). "
-            + (
-                f"This torch's AOTAutograd is not what the split wraps ({unsupported}): "
-                "`gradsafe doctor` lists it; compiled regions run whole in B here."
-                if unsupported
-                else "Its forward was compiled before gradsafe.patch(), or loaded from "
-                "AOTAutograd's cache as a process without the patch compiled it. Apply "
-                "gradsafe.patch() before the region's first forward (torch._dynamo.reset() to "
-                "recompile)."
-            )
+            f"balance). {_why_whole(declined)}"
         )
+
+
+def _declined_reason(compiled: object) -> str | None:
+    try:
+        return _declined.get(compiled)
+    except TypeError:  # not weakly referable or not hashable: not one the split declined
+        return None
+
+
+def _why_whole(declined: str | None) -> str:
+    if declined is not None:
+        return f"The split declined it: {declined}."
+    unsupported = _torch.compiled_split_unsupported()
+    if unsupported:
+        return (
+            f"This torch's AOTAutograd is not what the split wraps ({unsupported}): "
+            "`gradsafe doctor` lists it; compiled regions run whole in B here."
+        )
+    return (
+        "Its forward was compiled before gradsafe.patch(), or loaded from AOTAutograd's cache "
+        "as a process without the patch compiled it. Apply gradsafe.patch() before the "
+        "region's first forward (torch._dynamo.reset() to recompile)."
+    )
 
 
 def no_autograd_cache() -> bool:

@@ -413,3 +413,143 @@ def test_a_fused_warm_up_under_the_patch_leaves_the_split_exact(
     assert _max_rel(grads, reference) <= 1e-12
     assert flops.counts["W"] > 0
     torch._dynamo.reset()
+
+
+# -- where the split declines: whole in B, exact, and the warning says why ---------------
+
+
+class _ScaledByHistory(torch.autograd.Function):
+    """A weight gradient scaled by a buffer its backward then updates in place (a delayed-
+    scaling history): the weight GEMM must read the buffer before the write."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, stat)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w, stat = ctx.saved_tensors
+        gw = (x.t() @ g) * stat
+        stat.mul_(0.5).add_(1.0)
+        return g @ w.t(), gw, None
+
+
+class _History(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("stat", torch.full((4, 4), 3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_ScaledByHistory.apply(x, self.w, self.stat))
+
+
+def _declined(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "The split declined it" in str(w.message)]
+
+
+@pytest.mark.usefixtures("patched")
+def test_a_backward_writing_a_buffer_a_weight_gradient_reads_runs_whole_in_b_exactly(
+    fp64: None,
+) -> None:
+    torch.manual_seed(0)
+    base = _History()
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    eager = copy.deepcopy(base)
+    torch.autograd.backward(eager(x), g)
+    fused, split = copy.deepcopy(base), copy.deepcopy(base)
+    torch.autograd.backward(torch.compile(fused, backend="aot_eager")(x), g)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.compile(split, backend="aot_eager")(x)
+        _, handoff = stage_backward_input([y], [g], [x], [split.w])
+        stage_backward_weight([split.w], handoff)
+    for model in (fused, split):  # the fused one under the patch too: it ran dI before dW
+        assert _max_rel([model.w.grad], [eager.w.grad]) <= 1e-12  # type: ignore[list-item]
+        torch.testing.assert_close(model.stat, eager.stat, rtol=0, atol=0)
+    (message,) = _declined(caught)
+    assert "writes a tensor in place" in message
+
+
+@torch.library.custom_op("gradsafe_tests::draws", mutates_args=())
+def _draws(g: torch.Tensor) -> torch.Tensor:
+    """The same values, the global generator advanced (stochastic rounding's draw), untagged."""
+    return g * (1.0 + 0.0 * torch.rand(()))
+
+
+_draws.register_fake(lambda g: torch.empty_like(g))
+
+
+class _DrawingWeightGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w.t(), _draws(x.t() @ g)
+
+
+@pytest.mark.usefixtures("patched")
+def test_a_custom_op_drawing_random_numbers_untagged_stays_in_b(fp64: None) -> None:
+    # In W it would draw after the next microbatch's forward: that one's dropout mask would move.
+    w = nn.Parameter(torch.randn(8, 8))
+    f = torch.compile(
+        lambda x: nn.functional.dropout(_DrawingWeightGradient.apply(x, w), 0.5),
+        backend="aot_eager",
+    )
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    gs = [torch.randn(4, 8) for _ in range(2)]
+
+    def run(split: bool) -> torch.Tensor:
+        torch.manual_seed(42)
+        w.grad = None
+        handoffs = []
+        for x, g in zip(xs, gs):  # F0 B0 F1 B1 W0 W1
+            if split:
+                handoffs.append(stage_backward_input([f(x)], [g], [x], [w])[1])
+            else:
+                torch.autograd.backward(f(x), g)
+        for handoff in handoffs:
+            stage_backward_weight([w], handoff)
+        return w.grad.clone()  # type: ignore[union-attr]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the declined region's warning: pinned below
+        torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("patched")
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_a_convolution_compiles_and_is_exact_under_the_patch(fp64: None, backend: str) -> None:
+    # convolution_backward returns its input, weight and bias gradients from one kernel: B
+    # takes the tuple's items itself (inductor cannot hand a tuple across graphs).
+    torch.manual_seed(0)
+    conv = nn.Conv1d(8, 8, 3, padding=1)
+    params = list(conv.parameters())
+    x, g = torch.randn(1, 8, 6, requires_grad=True), torch.randn(1, 8, 6)
+    reference, _ = _fused(conv, params, x, g)
+    compiled = torch.compile(copy.deepcopy(conv), backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = list(compiled.parameters())
+        (dx,), handoff = stage_backward_input([compiled(x)], [g], [x], mine)
+        stage_backward_weight(mine, handoff)
+    assert _max_rel([dx, *(p.grad for p in mine)], reference) <= 1e-12  # type: ignore[misc]
+    assert all("kernels that compute its input gradients" in m for m in _declined(caught))
+
+
+@pytest.mark.usefixtures("patched")
+def test_a_region_without_parameters_runs_in_b_without_a_warning(fp64: None) -> None:
+    f = torch.compile(lambda t: torch.tanh(t) * 2, backend="aot_eager")
+    x, g = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (dx,), handoff = stage_backward_input([f(x)], [g], [x], [])
+        stage_backward_weight([], handoff)
+    torch.testing.assert_close(dx, g * 2 * (1 - torch.tanh(x) ** 2))
+    assert not [w for w in caught if "compiled without gradsafe's split" in str(w.message)]
