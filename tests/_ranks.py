@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import socket
-import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +45,54 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+# What every rank imports: loaded once, in this test process's forkserver, so that each rank
+# (a fork of it) starts in milliseconds instead of importing torch again (seconds of CPU each,
+# twice that for a CUDA build: most of the gloo tests' time before this).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "torch.distributed.fsdp",
+    "torch.utils.checkpoint",
+    "gradsafe",
+    "gradsafe.pipelining",
+    "gradsafe.wgrad",
+]
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _ranks_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context the ranks start from, its server started with the workers'
+    environment (OMP_NUM_THREADS is read when torch's OpenMP loads, in the preload)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    with _environ(worker_env()):
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """A rank: ``script`` run as ``__main__`` with ``argv``, its output into ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    sys.path[:0] = [os.path.dirname(script), str(REPO)]
+    runpy.run_path(script, run_name="__main__")
+
+
 def run_ranks(
     script: Path,
     args: list[str],
@@ -58,27 +111,30 @@ def run_ranks(
     rank's own other stage over gloo (torch 2.11, V-shaped schedules) skips.
     """
     port = str(free_port()) if tcp else rendezvous(out)
+    context = _ranks_context()
+    logs = [out / f"rank{r}.log" for r in range(ranks)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), port, *args, str(out)],
-            env=worker_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        context.Process(  # type: ignore[attr-defined]
+            target=_run_script,
+            args=(str(script), [str(r), port, *args, str(out)], worker_env(), str(logs[r])),
         )
         for r in range(ranks)
     ]
-    logs = []
     for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=timeout)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{what} run did not finish in {timeout:.0f} s")
+        proc.start()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    if any(proc.is_alive() for proc in procs):
+        for proc in procs:
+            proc.kill()
+            proc.join()
+        pytest.fail(f"{what} run did not finish in {timeout:.0f} s")
     results = []
     for r in range(ranks):
         path = out / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
+        log = logs[r].read_text(errors="replace") if logs[r].exists() else ""
+        assert path.exists(), f"rank {r} wrote nothing:\n{log[-3000:]}"
         results.append(torch.load(path, weights_only=False))
     for res in results:
         crash = str(res.get("crash", ""))
