@@ -71,7 +71,7 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _ranks_context() -> multiprocessing.context.BaseContext:
+def start_forkserver() -> multiprocessing.context.BaseContext:
     """The forkserver context the ranks start from, its server started with the workers'
     environment (OMP_NUM_THREADS is read when torch's OpenMP loads, in the preload)."""
     context = multiprocessing.get_context("forkserver")
@@ -111,7 +111,7 @@ def run_ranks(
     rank's own other stage over gloo (torch 2.11, V-shaped schedules) skips.
     """
     port = str(free_port()) if tcp else rendezvous(out)
-    context = _ranks_context()
+    context = start_forkserver()
     logs = [out / f"rank{r}.log" for r in range(ranks)]
     procs = [
         context.Process(  # type: ignore[attr-defined]

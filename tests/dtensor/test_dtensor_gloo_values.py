@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+from _ranks import start_forkserver
 from dtensor_gloo_workers import value_cases, worker
 
 pytestmark = pytest.mark.distributed
@@ -20,12 +21,13 @@ _DEADLINE_S = 180
 
 
 def _launch(world_size: int, job: str, out_dir: Path) -> dict[str, tuple[bool, str]]:
+    start_forkserver()  # ranks fork from a server that imported torch once (tests/_ranks.py)
     context = mp.start_processes(
         worker,
         args=(world_size, job, str(out_dir)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + _DEADLINE_S
     while not context.join(timeout=2):
