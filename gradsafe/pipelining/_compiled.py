@@ -89,14 +89,10 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-# Namespaces whose operators say by their tags whether they draw random numbers.
-_TAGGED_NAMESPACES = frozenset({"aten", "prims"})
-
-
 def _must_run_in_b(node: fx.Node) -> bool:
     """Side effects and random draws stay where the fused backward has them, in B's graph.
 
-    An operator outside aten and prims (a custom op, a higher-order op) may draw from the
+    An operator whose tags cannot say (a custom op, a higher-order op) may draw from the
     global generator untagged: in W it would draw later, shifting the next microbatch's
     dropout masks. So it runs in B; ``operator.getitem`` is pure.
     """
@@ -104,21 +100,7 @@ def _must_run_in_b(node: fx.Node) -> bool:
         return node.op not in ("placeholder", "get_attr", "output")
     if node.target is operator.getitem:
         return False
-    if node.is_impure():
-        return True
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return True
-    if node.target.namespace not in _TAGGED_NAMESPACES:
-        return True
-    return torch.Tag.nondeterministic_seeded in node.target.tags
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` writes one of its arguments in place (``copy_``, ``add_``, ...)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(
-        arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments
-    )
+    return node.is_impure() or _torch.draws_random(node.target) is not False
 
 
 # Why a region's backward was compiled whole (``partition``'s answer when it cannot cut).
@@ -139,7 +121,7 @@ def partition(gm: fx.GraphModule, weight_inputs: frozenset[int]) -> Partition | 
     ``weight_inputs``: the forward inputs whose gradients go to W. Where it
     cannot cut, why (one of the reasons above): the backward then runs whole in B.
     """
-    if any(n.op == "call_function" and _mutates(n) for n in gm.graph.nodes):
+    if any(n.op == "call_function" and _torch.writes_in_place(n.target) for n in gm.graph.nodes):
         # A write in place may land (in dI) before a weight gradient reads the old value
         # (in dW): the whole backward runs in B, as compiled.
         return WRITES_IN_PLACE

@@ -42,6 +42,8 @@ __all__ = [
     "call_compiled",
     "compiled_backward_of",
     "compiled_split_unsupported",
+    "draws_random",
+    "writes_in_place",
     "current_node",
     "input_is_tensor",
     "is_compiled_region",
@@ -96,6 +98,26 @@ def compiled_split_unsupported() -> str | None:
         if not set(wanted) <= fields:
             return f"{_SCHEMAS} has no {', '.join(sorted(set(wanted) - fields))} where read"
     return None
+
+
+# Namespaces whose operators say by their tags whether they draw random numbers.
+_TAGGED_NAMESPACES = frozenset({"aten", "prims"})
+
+
+def draws_random(target: object) -> bool | None:
+    """Whether a graph node's operator draws random numbers, by its tags; None where it cannot
+    be told (not an ``OpOverload`` of aten or prims: a custom or higher-order op)."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in _TAGGED_NAMESPACES:
+        return None
+    return torch.Tag.nondeterministic_seeded in target.tags
+
+
+def writes_in_place(target: object) -> bool:
+    """Whether a graph node's operator writes one of its arguments (``copy_``, ``add_``, ...)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments
+    )
 
 
 def input_is_tensor(aot_state: Any) -> tuple[bool, ...] | None:
