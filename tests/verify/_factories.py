@@ -268,3 +268,15 @@ def detached_first_of_two() -> tuple[list[nn.Module], list[Any]]:
     """Two stages, the first of which detaches its output: its parameters get no gradient."""
     torch.manual_seed(0)
     return [_Detached(), nn.Linear(4, 4)], _batches()
+
+
+def compiled_mlp_stages() -> tuple[list[nn.Module], list[Any], Any]:
+    """Four MLP stages, each ``torch.compile``'d (aot_eager), for a zero-bubble schedule on 2 ranks."""
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [
+        torch.compile(  # type: ignore[misc]
+            nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)), backend="aot_eager"
+        )
+        for _ in range(4)
+    ]
+    return stages, _batches(4), lambda out, k: out.pow(2).mean()
