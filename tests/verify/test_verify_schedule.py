@@ -268,11 +268,10 @@ def test_a_schedule_stage_with_no_gradient_to_compare_is_refused_before_any_rank
 def test_zbv_on_compiled_stages_is_exact_under_gradsafe_where_torch_refuses_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Each stage torch.compile'd: torch's zero-bubble schedules refuse OptimizedModule stages;
-    # under the patch they take them and split each region's backward into B and W.
+    # Each stage torch.compile'd: torch's zero-bubble schedules refuse OptimizedModule stages
+    # (2.12+); under the patch they take them and split each region's backward into B and W.
     monkeypatch.chdir(HERE)
     report = verify_schedule("_factories:compiled_mlp_stages", "ZBVZeroBubble", 2)
     _skip_if_gloo_cannot_run_v_shapes(report.to_json())
     assert report.ok, str(report)
     assert {r.verdict for r in report.gradsafe.values()} == {"exact"}, str(report)
-    assert "torch.compile" in str(report), str(report)  # torch's refusal, quoted
