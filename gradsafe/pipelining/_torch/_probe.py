@@ -93,10 +93,14 @@ def _missing_custom_function_marks(x: torch.Tensor) -> str | None:
     """Whether a custom Function's node is told from a built-in one: B runs a custom
     Function's backward whole (calling it again for its weight part would run user code twice),
     and would split one it took for built-in."""
+    said = "a custom autograd.Function's node is not told from a built-in one"
     custom, builtin = _Doubled.apply(x).grad_fn, (x * 2).grad_fn
-    if custom is None or builtin is None or not runs_whole(custom) or runs_whole(builtin):
-        return "a custom autograd.Function's node is not told from a built-in one"
-    return None
+    try:
+        told = custom is not None and builtin is not None
+        told = told and runs_whole(custom) and not runs_whole(builtin)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - a changed internal may fail in any way
+        return f"{said} ({type(exc).__name__}: {exc})"
+    return None if told else said
 
 
 def _missing_version_counter() -> str | None:
