@@ -73,14 +73,30 @@ LANE = {
 
 # Fewer than this many passed tests fails a session: a suite that collects or
 # passes almost nothing (an import error turned into skips) must not look green.
-MIN_PASSED = {"all": 1200, "per_release": 400, "python": 300, "smoke": 100, "torchtitan": 10}
+MIN_PASSED = {
+    "all": 1200,
+    "per_release": 400,
+    "python": 300,
+    "smoke": 100,
+    "torchtitan": 10,
+    "megatron": 1,
+}
+TORCHTITAN_TESTS = (
+    "tests/pipelining/test_torchtitan.py",
+    "tests/pipelining/test_torchtitan_balance.py",
+    "tests/verify/test_verify_torchtitan.py",
+)
 
 
 def _pytest(session: nox.Session, suite: str, env: dict[str, str] | None = None) -> None:
+    """pytest over ``suite``'s tests (``SUITES``' names, and the sessions' own selections)."""
     marks = {
         "all": [],
         "per_release": ["-m", "per_release"],
         "python": ["-m", "(per_release or torch_independent) and not distributed"],
+        "smoke": ["-m", "smoke"],
+        "torchtitan": list(TORCHTITAN_TESTS),
+        "megatron": ["tests/wgrad/test_megatron_real.py"],
     }[suite]
     session.run(
         "pytest",
@@ -127,13 +143,6 @@ def python(session: nox.Session) -> None:
     _done(session)
 
 
-TORCHTITAN_TESTS = (
-    "tests/pipelining/test_torchtitan.py",
-    "tests/pipelining/test_torchtitan_balance.py",
-    "tests/verify/test_verify_torchtitan.py",
-)
-
-
 @nox.session(python="3.11", tags=["lane-b"])
 def torchtitan(session: nox.Session) -> None:
     """torchtitan 0.3.0's real trainer (needs torch >= 2.14), end to end, on the newest release.
@@ -144,16 +153,7 @@ def torchtitan(session: nox.Session) -> None:
     """
     torch = "2.15.0"
     session.install(f"torch=={torch}", ".[test,torchtitan]")
-    session.run(
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--durations=15",
-        f"--min-passed={MIN_PASSED['torchtitan']}",
-        *TORCHTITAN_TESTS,
-        *session.posargs,
-    )
+    _pytest(session, "torchtitan")
     _done(session)
 
 
@@ -173,16 +173,7 @@ def newest(session: nox.Session) -> None:
     )
     session.run("gradsafe", "doctor")
     session.install(".[test]")
-    session.run(
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--min-passed={MIN_PASSED['smoke']}",
-        "-m",
-        "smoke",
-        *session.posargs,
-    )
+    _pytest(session, "smoke")
     _done(session)
 
 
@@ -214,15 +205,7 @@ def megatron(session: nox.Session) -> None:
     session.install(f"torch=={torch}", ".")
     session.run("gradsafe", "doctor")
     session.install(f"torch=={torch}", ".[test,megatron]")
-    session.run(
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--min-passed=1",
-        "tests/wgrad/test_megatron_real.py",
-        *session.posargs,
-    )
+    _pytest(session, "megatron")
     _done(session)
 
 
